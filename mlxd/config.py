@@ -1,0 +1,87 @@
+"""One typed configuration object for the whole server.
+
+Built from CLI flags (highest), ``MLXD_*`` environment variables, and
+defaults; the registry file (``--models-config``) adds per-model entries and
+may override the ``manager`` settings. Passed into ``build_app(config)``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("MLXD_HOME") or Path.home() / ".cache" / "mlxd")
+
+
+class ServerConfig(BaseSettings):
+    """Every setting of a running mlxd; see ``mlxd serve --help`` for each flag."""
+
+    model_config = SettingsConfigDict(env_prefix="MLXD_", extra="ignore", validate_default=True)
+
+    # What to serve
+    model: str | None = Field(None, description="Model to serve: local MLX folder, GGUF file or HF id")
+    served_model_name: str | None = None
+    models_config: Path | None = Field(None, description="Registry YAML file")
+    home: Path = Field(default_factory=default_home)
+    no_starter: bool = False
+    require_qualified: bool = False
+    trust_remote_code: bool = False
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_body_bytes: int = 32 * 1024 * 1024
+    cors_origins: list[str] = Field(default_factory=list)
+
+    # Generation defaults and limits
+    max_tokens: int = 512
+    max_n: int = 8
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+    # Batching and caching (text models)
+    batching: bool = True
+    max_num_seqs: int = 16
+    max_queue: int = 256
+    prefill_step_size: int = 512
+    prefix_cache_bytes: int | None = None
+    max_context: int | None = None
+    enable_prefix_cache_persist: bool = True
+
+    # Memory management
+    memory_budget: str | None = None
+    idle_unload_seconds: float | None = None
+    contention: Literal["wait", "fail"] | None = None
+    wait_timeout_s: float | None = None
+    kv_reserve_tokens: int = 32_768
+
+    # Embeddings and rerank
+    max_embedding_inputs: int = 2048
+    max_rerank_documents: int = 1000
+    max_rerank_tokens: int = 500_000
+
+    # Response store (Responses API)
+    response_store_max: int = 1000
+    response_store_bytes: int = 64 * 1024 * 1024
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, v: object) -> object:
+        return v.lower() if isinstance(v, str) else v
+
+    @property
+    def prefix_cache_dir(self) -> Path:
+        return self.home / "prefix-cache"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"

@@ -1,0 +1,19 @@
+"""Facts about the MLX device this process runs on."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def device_name() -> str:
+    dev = mx.default_device()
+    return "gpu" if dev == mx.gpu else "cpu"
+
+
+def preferred_float_dtype() -> str:
+    """float32 on CPU (MLX's fp16/bf16 CPU kernels are slow); float16 on GPUs."""
+    return "float16" if device_name() == "gpu" else "float32"
+
+
+def active_memory_bytes() -> int:
+    return int(mx.get_active_memory())

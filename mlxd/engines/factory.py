@@ -1,0 +1,89 @@
+"""Build and load the engine for a registry entry, on the model's worker thread.
+
+This is the ModelManager's loader: resolve the source (download / convert),
+construct the family's engine, load it. Engine modules are imported here,
+lazily, so nothing above this layer imports MLX.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlxd.config import ServerConfig
+from mlxd.engines.worker import ModelWorker
+from mlxd.errors import ModelLoadError
+from mlxd.models.spec import ModelEntry, ModelKind
+
+log = logging.getLogger(__name__)
+
+ProgressFactory = Callable[[str], Callable[[int, int, str], None] | None]
+
+
+def prefix_cache_bytes(config: ServerConfig, budget: int) -> int:
+    """``--prefix-cache-bytes``, or by default 10% of the memory budget (at most 2 GiB)."""
+    if config.prefix_cache_bytes is not None:
+        return max(0, config.prefix_cache_bytes)
+    return min(2 * 2**30, budget // 10)
+
+
+class EngineFactory:
+    """Callable loader: ``factory(entry, kind, worker) -> loaded engine``."""
+
+    def __init__(self, config: ServerConfig, budget_bytes: int,
+                 progress: ProgressFactory | None = None) -> None:
+        self.config = config
+        self.budget_bytes = budget_bytes
+        self.progress = progress
+
+    def resolve(self, entry: ModelEntry) -> Path:
+        from mlxd.engines.device import preferred_float_dtype
+        from mlxd.workflow.resolve import resolve_source
+
+        progress = self.progress(entry.name) if self.progress else None
+        return resolve_source(entry.source, home=self.config.home, dtype=preferred_float_dtype(),
+                              revision=entry.revision, sha256=entry.sha256, name=entry.name,
+                              progress=progress)
+
+    def create(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
+        if kind == ModelKind.TEXT:
+            from mlxd.engines.text import MLXLanguageModel
+
+            return MLXLanguageModel(entry.name, path, worker, self.text_options(entry))
+        if kind == ModelKind.EMBEDDING:
+            from mlxd.engines.embeddings import EmbeddingEngine
+
+            return EmbeddingEngine(entry.name, path, worker, self.config)
+        if kind == ModelKind.RERANK:
+            from mlxd.engines.rerank import RerankEngine
+
+            return RerankEngine(entry.name, path, worker, self.config)
+        raise ModelLoadError(entry.name, f"serving {kind} models is not available in this build "
+                                         "(text, embedding and rerank are)")
+
+    def text_options(self, entry: ModelEntry) -> Any:
+        from mlxd.engines.text import TextEngineOptions
+
+        cfg, d = self.config, entry.defaults
+        safe_name = entry.name.replace("/", "--")
+        return TextEngineOptions(
+            max_num_seqs=d.max_num_seqs or cfg.max_num_seqs, max_queue=cfg.max_queue,
+            prefill_step_size=cfg.prefill_step_size,
+            prefix_cache_bytes=prefix_cache_bytes(cfg, self.budget_bytes),
+            batching=cfg.batching, max_context=d.max_context or cfg.max_context,
+            default_max_tokens=d.max_tokens or cfg.max_tokens,
+            reasoning_parser=entry.reasoning_parser or cfg.reasoning_parser,
+            tool_call_parser=entry.tool_call_parser or cfg.tool_call_parser,
+            trust_remote_code=entry.trust_remote_code,
+            prefix_cache_dir=(cfg.prefix_cache_dir / safe_name
+                              if cfg.enable_prefix_cache_persist else None))
+
+    def __call__(self, entry: ModelEntry, kind: ModelKind, worker: ModelWorker) -> Any:
+        if entry.trust_remote_code is False and self.config.trust_remote_code:
+            log.warning("--trust-remote-code applies only to entries that set trust_remote_code")
+        path = self.resolve(entry)
+        engine = self.create(entry, kind, path, worker)
+        engine.load()
+        return engine

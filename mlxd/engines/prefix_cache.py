@@ -1,0 +1,127 @@
+"""Byte-bounded LRU cache of KV states keyed by token prefixes.
+
+Built on mlx-lm's ``LRUPromptCache`` (a token trie with LRU eviction that
+trims longer entries down to a shared prefix). Adds a lock, hit accounting,
+and persistence to ``$MLXD_HOME/prefix-cache/<model>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+
+log = logging.getLogger(__name__)
+
+_KEY = "model"  # one cache per loaded model, so the trie needs a single key
+
+
+class PrefixCache:
+    """Thread-safe prefix cache for one model."""
+
+    def __init__(self, max_bytes: int, max_entries: int = 256) -> None:
+        self.max_bytes = max_bytes
+        self._cache = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
+        self._lock = threading.Lock()
+        self._tokens: dict[tuple[int, ...], None] = {}
+        self.hits = 0
+        self.misses = 0
+        self.cached_tokens_served = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._cache.nbytes
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        """Return ``(cache, n_cached)``: a private copy covering ``tokens[:n_cached]``.
+
+        At least one token is always left to process, since generation needs
+        the logits of the last prompt token.
+        """
+        if self.max_bytes <= 0 or len(tokens) < 2:
+            return None, 0
+        with self._lock:
+            cache, rest = self._cache.fetch_nearest_cache(_KEY, tokens)
+        if cache is None:
+            self.misses += 1
+            return None, 0
+        n_cached = len(tokens) - len(rest)
+        if n_cached >= len(tokens):
+            if not can_trim_prompt_cache(cache):
+                self.misses += 1
+                return None, 0
+            trim_prompt_cache(cache, n_cached - (len(tokens) - 1))
+            n_cached = len(tokens) - 1
+        if n_cached <= 0:
+            self.misses += 1
+            return None, 0
+        self.hits += 1
+        self.cached_tokens_served += n_cached
+        return cache, n_cached
+
+    def insert(self, tokens: list[int], cache: list[Any]) -> None:
+        if self.max_bytes <= 0 or not tokens:
+            return
+        with self._lock:
+            self._cache.insert_cache(_KEY, list(tokens), cache)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.trim_to(n_sequences=0)
+
+    def entries(self) -> list[tuple[list[int], list[Any]]]:
+        """Every cached (tokens, cache) pair, least recently used first."""
+        with self._lock:
+            out = []
+            for lru in self._cache._lru._lrus.values():
+                for _model, toks in lru:
+                    entry = self._cache._trie.get(_KEY, toks)
+                    out.append((list(toks), entry.prompt_cache))
+            return out
+
+    def save(self, folder: Path) -> int:
+        """Write every entry to ``folder`` (replacing it atomically); returns the count."""
+        entries = self.entries()
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+        for i, (toks, cache) in enumerate(entries):
+            save_prompt_cache(str(tmp / f"{i:05d}.safetensors"), cache,
+                              metadata={"tokens": json.dumps(toks)})
+        (tmp / "index.json").write_text(json.dumps({"entries": len(entries)}))
+        old = folder.with_name(folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+        return len(entries)
+
+    def restore(self, folder: Path) -> int:
+        """Load entries saved by ``save``; unreadable files are skipped."""
+        if not (folder / "index.json").exists():
+            return 0
+        n = 0
+        for path in sorted(folder.glob("*.safetensors")):
+            try:
+                cache, meta = load_prompt_cache(str(path), return_metadata=True)
+                self.insert(json.loads(meta["tokens"]), cache)
+                n += 1
+            except Exception as e:  # a stale or corrupt file must not stop a load
+                log.warning("skipping prefix cache file %s: %s", path, e)
+        return n

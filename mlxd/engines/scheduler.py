@@ -1,0 +1,395 @@
+"""Schedulers that drive text generation on a model's worker thread.
+
+``BatchScheduler`` does continuous batching over mlx-lm's ``BatchGenerator``:
+requests join between decode steps, leave when finished, stopped or
+cancelled, and long prompts are prefilled in chunks interleaved with decode.
+``SerialScheduler`` runs one sequence at a time with ``generate_step`` for
+models whose caches cannot be batched (or with ``--no-batching``).
+
+Entry points called from the event loop (``submit``, ``cancel``) only touch
+lock-protected queues; everything else runs on the worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
+
+from mlxd.engines.prefix_cache import PrefixCache
+from mlxd.engines.sampling import build_logits_processors, build_sampler
+from mlxd.errors import Overloaded
+from mlxd.generation.events import Event, TokenLogprob, TopLogprob
+from mlxd.generation.params import SamplingParams
+from mlxd.generation.pipeline import OutputPipeline
+
+log = logging.getLogger(__name__)
+
+# Prompts at least this long have their KV state cached as soon as prefill
+# ends, so concurrent requests sharing the prefix reuse it in flight.
+IN_FLIGHT_CACHE_MIN_TOKENS = 64
+
+
+class EventSink:
+    """Where a sequence's events go; implemented by the engine's async side."""
+
+    def push(self, events: list[Event]) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class Sequence:
+    """One generation in a scheduler."""
+
+    seq_id: str
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: set[int]
+    pipeline: OutputPipeline
+    sink: EventSink
+    logprobs: bool = False
+    top_logprobs: int = 0
+    use_prefix_cache: bool = True
+    extra_processors: list[Callable[[mx.array, mx.array], mx.array]] = field(default_factory=list)
+    processor_factory: Callable[[], list[Any]] | None = None
+    submitted_at: float = field(default_factory=time.monotonic)
+    uid: int = -1
+    error: str | None = None
+    cached_tokens: int = 0
+
+
+class SchedulerBase:
+    """Queueing, cancellation and event delivery shared by both schedulers."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_num_seqs: int, max_queue: int,
+                 prefix_cache: PrefixCache | None, wake: Callable[[], None]) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max(1, max_num_seqs)
+        self.max_queue = max(0, max_queue)
+        self.prefix_cache = prefix_cache
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._waiting: deque[Sequence] = deque()
+        self._cancelled: set[str] = set()
+        self.running: dict[int, Sequence] = {}
+        self.steps = 0
+        self.closed = False
+
+    # -- called from the event loop ---------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence; 503 when the running batch and the queue are full."""
+        with self._lock:
+            if self.closed:
+                raise Overloaded("The model is unloading; retry shortly.", retry_after=1)
+            free_slots = self.max_num_seqs - len(self.running)
+            if len(self._waiting) >= self.max_queue + max(0, free_slots):
+                raise Overloaded(
+                    f"Request queue is full ({len(self.running)} running, "
+                    f"{len(self._waiting)} waiting, --max-queue {self.max_queue}).",
+                    retry_after=2, code="queue_full")
+            self._waiting.append(seq)
+        self._wake()
+
+    def cancel(self, seq_id: str) -> None:
+        """Stop a sequence at the next step (client disconnected or gave up)."""
+        with self._lock:
+            self._cancelled.add(seq_id)
+        self._wake()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"running": len(self.running), "waiting": len(self._waiting)}
+
+    # -- worker thread ----------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.running or self._waiting or self._cancelled)
+
+    def _take(self, capacity: int) -> tuple[list[Sequence], set[str]]:
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            admitted: list[Sequence] = []
+            while self._waiting and len(admitted) < capacity:
+                seq = self._waiting.popleft()
+                if seq.seq_id in cancelled:
+                    cancelled.discard(seq.seq_id)
+                    self._finish_unstarted(seq)
+                    continue
+                admitted.append(seq)
+            for seq in [s for s in self._waiting if s.seq_id in cancelled]:
+                self._waiting.remove(seq)
+                cancelled.discard(seq.seq_id)
+                self._finish_unstarted(seq)
+            return admitted, cancelled
+
+    @staticmethod
+    def _finish_unstarted(seq: Sequence) -> None:
+        seq.sink.push(seq.pipeline.finish("cancelled"))
+
+    def _emit(self, seq: Sequence, events: list[Event]) -> None:
+        if events:
+            seq.sink.push(events)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self._emit(seq, seq.pipeline.finish(reason, error))
+
+    def _logprob(self, seq: Sequence, token: int, logprobs: mx.array) -> TokenLogprob | None:
+        if not seq.logprobs:
+            return None
+        top: list[TopLogprob] = []
+        if seq.top_logprobs > 0:
+            k = min(seq.top_logprobs, logprobs.shape[-1])
+            idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
+            vals = logprobs[idx]
+            order = mx.argsort(-vals)
+            for i, v in zip(idx[order].tolist(), vals[order].tolist()):
+                text = self.tokenizer.decode([i])
+                top.append(TopLogprob(text, float(v), list(text.encode("utf-8"))))
+        text = self.tokenizer.decode([token])
+        return TokenLogprob(token, text, float(logprobs[token].item()),
+                            list(text.encode("utf-8")), top)
+
+    def _guarded_processors(self, seq: Sequence) -> list[Any]:
+        """Per-request logits processors; an exception fails only this sequence."""
+        processors = build_logits_processors(seq.sampling) + list(seq.extra_processors)
+        if seq.processor_factory is not None:
+            processors += seq.processor_factory()
+        if not processors:
+            return []
+
+        def guarded(tokens: mx.array, logits: mx.array) -> mx.array:
+            if seq.error is not None:
+                return logits
+            try:
+                for p in processors:
+                    logits = p(tokens, logits)
+                return logits
+            except Exception as e:
+                log.warning("request %s: logits processor failed: %s", seq.seq_id, e)
+                seq.error = f"logits processor failed: {e}"
+                return logits
+
+        return [guarded]
+
+    def fail_all(self, error: BaseException) -> None:
+        """A step failed for the whole batch: end every sequence with an error."""
+        message = f"generation failed: {error}"
+        for seq in list(self.running.values()):
+            self._finish(seq, "error", message)
+        self.running.clear()
+        admitted, _ = self._take(1 << 30)
+        for seq in admitted:
+            self._finish(seq, "error", message)
+        self._reset_after_failure()
+
+    def _reset_after_failure(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """End everything (model unloading); called on the worker thread."""
+        with self._lock:
+            self.closed = True
+        for seq in list(self.running.values()):
+            self._finish(seq, "cancelled", "model unloaded")
+        self.running.clear()
+        admitted, _ = self._take(1 << 30)
+        for seq in admitted:
+            self._finish(seq, "cancelled", "model unloaded")
+
+
+class BatchScheduler(SchedulerBase):
+    """Continuous batching over ``mlx_lm.generate.BatchGenerator``."""
+
+    mode = "batched"
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_num_seqs: int, max_queue: int,
+                 prefill_step_size: int, prefix_cache: PrefixCache | None,
+                 wake: Callable[[], None]) -> None:
+        super().__init__(model, tokenizer, max_num_seqs=max_num_seqs, max_queue=max_queue,
+                         prefix_cache=prefix_cache, wake=wake)
+        self.prefill_step_size = prefill_step_size
+        self._eos = sorted(tokenizer.eos_token_ids)
+        self._gen = self._new_generator()
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            max_tokens=1,
+            stop_tokens=[[t] for t in self._eos],
+            completion_batch_size=self.max_num_seqs,
+            prefill_batch_size=min(8, self.max_num_seqs),
+            prefill_step_size=self.prefill_step_size,
+            stream=mx.default_stream(mx.default_device()),
+        )
+
+    def _reset_after_failure(self) -> None:
+        self._gen = self._new_generator()
+
+    def step(self) -> None:
+        admitted, cancelled = self._take(self.max_num_seqs - len(self.running))
+        if cancelled:
+            self._remove([s for s in self.running.values() if s.seq_id in cancelled], "cancelled")
+        for seq in admitted:
+            self._admit(seq)
+        if not self.running:
+            return
+        prompt_responses, responses = self._gen.next()
+        self.steps += 1
+        self._cache_finished_prompts(prompt_responses)
+        for r in responses:
+            seq = self.running.get(r.uid)
+            if seq is None:
+                continue
+            lp = self._logprob(seq, r.token, r.logprobs)
+            if r.finish_reason == "stop" and r.token in seq.stop_token_ids:
+                self._emit(seq, seq.pipeline.count_eos(lp))
+            else:
+                self._emit(seq, seq.pipeline.feed(r.token, lp))
+            if r.finish_reason is not None:
+                del self.running[r.uid]
+                if self.prefix_cache is not None and seq.use_prefix_cache and r.prompt_cache:
+                    self.prefix_cache.insert(r.all_tokens, r.prompt_cache)
+                self._finish(seq, r.finish_reason)
+        stopped = [s for s in self.running.values() if s.pipeline.stopped]
+        if stopped:
+            self._remove(stopped, "stop", keep_cache=True)
+        failed = [s for s in self.running.values() if s.error is not None]
+        if failed:
+            self._remove(failed, "error")
+
+    def _admit(self, seq: Sequence) -> None:
+        tokens = seq.prompt_tokens
+        cache, n_cached = None, 0
+        if self.prefix_cache is not None and seq.use_prefix_cache:
+            cache, n_cached = self.prefix_cache.fetch(tokens)
+        seq.cached_tokens = n_cached
+        seq.pipeline.set_cached_tokens(n_cached)
+        stop = StopSequences([[t] for t in sorted(seq.stop_token_ids)])
+        (uid,) = self._gen.insert(
+            [tokens[n_cached:]],
+            max_tokens=[seq.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[tokens[:n_cached]] if cache is not None else None,
+            samplers=[build_sampler(seq.sampling)],
+            logits_processors=[self._guarded_processors(seq)],
+            stop_sequences=[stop],
+        )
+        seq.uid = uid
+        self.running[uid] = seq
+
+    def _cache_finished_prompts(self, prompt_responses: list[Any]) -> None:
+        if self.prefix_cache is None:
+            return
+        uids = [r.uid for r in prompt_responses
+                if r.end_of_prompt and r.uid in self.running
+                and self.running[r.uid].use_prefix_cache
+                and len(self.running[r.uid].prompt_tokens) >= IN_FLIGHT_CACHE_MIN_TOKENS]
+        if not uids:
+            return
+        for _uid, (cache, toks) in self._gen.extract_cache(uids).items():
+            self.prefix_cache.insert(list(toks), cache)
+
+    def _remove(self, seqs: list[Sequence], reason: str, keep_cache: bool = False) -> None:
+        if not seqs:
+            return
+        caches = self._gen.remove([s.uid for s in seqs], return_prompt_caches=keep_cache)
+        for seq in seqs:
+            self.running.pop(seq.uid, None)
+            if keep_cache and self.prefix_cache is not None and seq.use_prefix_cache:
+                found = caches.get(seq.uid)
+                if found:
+                    cache, toks = found
+                    self.prefix_cache.insert(list(toks), cache)
+            self._finish(seq, reason, seq.error if reason == "error" else None)
+
+    def close(self) -> None:
+        super().close()
+        self._gen.close()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+
+class SerialScheduler(SchedulerBase):
+    """One sequence at a time through ``generate_step``; queued requests wait."""
+
+    mode = "serial"
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_queue: int, prefill_step_size: int,
+                 prefix_cache: PrefixCache | None, wake: Callable[[], None]) -> None:
+        super().__init__(model, tokenizer, max_num_seqs=1, max_queue=max_queue,
+                         prefix_cache=prefix_cache, wake=wake)
+        self.prefill_step_size = prefill_step_size
+        self._current: tuple[Sequence, Iterator[tuple[Any, Any]], list[Any]] | None = None
+
+    def step(self) -> None:
+        admitted, cancelled = self._take(0 if self._current else 1)
+        if self._current and self._current[0].seq_id in cancelled:
+            seq = self._current[0]
+            self._current = None
+            self.running.clear()
+            self._finish(seq, "cancelled")
+        if admitted:
+            self._start(admitted[0])
+        if self._current is None:
+            return
+        seq, steps, cache = self._current
+        try:
+            token, logprobs = next(steps)
+        except StopIteration:
+            self._end(seq, cache, "length")
+            return
+        self.steps += 1
+        token = int(token)
+        lp = self._logprob(seq, token, logprobs)
+        if token in seq.stop_token_ids:
+            self._emit(seq, seq.pipeline.count_eos(lp))
+            self._end(seq, cache, "stop")
+            return
+        self._emit(seq, seq.pipeline.feed(token, lp))
+        if seq.error is not None:
+            self._end(seq, cache, "error")
+        elif seq.pipeline.stopped:
+            self._end(seq, cache, "stop")
+        elif seq.pipeline.completion_tokens >= seq.max_tokens:
+            self._end(seq, cache, "length")
+
+    def _start(self, seq: Sequence) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        tokens = seq.prompt_tokens
+        cache, n_cached = (None, 0)
+        if self.prefix_cache is not None and seq.use_prefix_cache:
+            cache, n_cached = self.prefix_cache.fetch(tokens)
+        if cache is None:
+            cache = make_prompt_cache(self.model)
+        seq.cached_tokens = n_cached
+        seq.pipeline.set_cached_tokens(n_cached)
+        steps = generate_step(
+            mx.array(tokens[n_cached:]), self.model, max_tokens=seq.max_tokens,
+            sampler=build_sampler(seq.sampling),
+            logits_processors=self._guarded_processors(seq),
+            prompt_cache=cache, prefill_step_size=self.prefill_step_size)
+        self._current = (seq, steps, cache)
+        self.running = {0: seq}
+
+    def _end(self, seq: Sequence, cache: list[Any], reason: str) -> None:
+        self._current = None
+        self.running.clear()
+        self._finish(seq, reason, seq.error if reason == "error" else None)
+
+    def _reset_after_failure(self) -> None:
+        self._current = None
+
+    def close(self) -> None:
+        self._current = None
+        super().close()

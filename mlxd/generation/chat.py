@@ -1,0 +1,98 @@
+"""Canonical chat messages for chat templates, whatever API they came from.
+
+Adapters convert their API's messages into this one shape (OpenAI-like, with
+string content); the engine renders it with the model's chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlxd.errors import InvalidRequest
+from mlxd.generation.params import ToolChoice, ToolSpec
+from mlxd.generation.tools import ToolCallFormat
+
+
+def content_text(content: Any, *, where: str = "messages") -> str:
+    """Flatten OpenAI-style content (string or list of parts) into text.
+
+    Image, audio or file parts are refused here: text models cannot read them.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("text", "input_text", "output_text"):
+                texts.append(str(part.get("text", "")))
+            elif kind in ("image_url", "input_image", "image", "input_audio", "file", "video_url"):
+                raise InvalidRequest(
+                    f"This model is a text model and cannot read '{kind}' content parts. "
+                    "Use a vision-language model for images.", param=where)
+            else:
+                raise InvalidRequest(f"Unsupported content part type: {kind!r}", param=where)
+        return "".join(texts)
+    raise InvalidRequest("Message content must be a string or a list of parts.", param=where)
+
+
+def _arguments_object(arguments: Any) -> Any:
+    """Templates expect arguments as a mapping; OpenAI sends a JSON string."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages ready for ``apply_chat_template``."""
+    out = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m["role"],
+                               "content": content_text(m.get("content"), where=f"messages[{i}].content")}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [
+                {"id": tc.get("id"), "type": "function",
+                 "function": {"name": tc["function"]["name"],
+                              "arguments": _arguments_object(tc["function"].get("arguments"))}}
+                for tc in m["tool_calls"]]
+        for key in ("tool_call_id", "name", "reasoning_content"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in (chat_template or "")
+
+
+def tools_system_prompt(tools: list[ToolSpec], fmt: ToolCallFormat, choice: ToolChoice) -> str:
+    """Describe tools for models whose chat template does not render them."""
+    listing = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in tools)
+    start, end = (fmt.start, fmt.end) if fmt.json_body and fmt.end else ("<tool_call>", "</tool_call>")
+    rule = {
+        "required": "You must call one of the functions.",
+        "function": f"You must call the function '{choice.name}'.",
+    }.get(choice.mode, "Call a function only when it helps answer the user.")
+    return (
+        "You have access to the following functions:\n<tools>\n" + listing + "\n</tools>\n"
+        f"{rule} To call a function, reply with a JSON object inside {start}{end} tags:\n"
+        f'{start}{{"name": "<function-name>", "arguments": {{...}}}}{end}'
+    )
+
+
+def with_tools_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0])
+        first["content"] = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]

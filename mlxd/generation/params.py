@@ -1,0 +1,91 @@
+"""What one generation asks for, independent of the API it came through."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings; defaults mean "off" (temperature 1.0 is OpenAI's default)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call (OpenAI ``function`` / Anthropic ``tool``)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def as_openai(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+ToolChoiceMode = Literal["auto", "none", "required"]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """``auto`` / ``none`` / ``required``, or one named function (``mode="function"``)."""
+
+    mode: Literal["auto", "none", "required", "function"] = "auto"
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured-output constraint, compiled by the engine into a token mask.
+
+    kind: ``json_schema`` (value: the schema dict), ``json_object`` (value
+    None), ``regex`` (a pattern) or ``grammar`` (a Lark grammar), or
+    ``tool_call`` (value: the tool-call grammar built by the pipeline).
+    """
+
+    kind: Literal["json_schema", "json_object", "regex", "grammar", "lark"]
+    value: Any = None
+
+
+@dataclass
+class GenerationRequest:
+    """One request to a text engine. Exactly one of ``messages``/``prompt`` is set."""
+
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    tools: list[ToolSpec] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    constraint: Constraint | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    request_id: str = ""
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None

@@ -1,0 +1,1 @@
+"""Model detection, the registry file, memory estimates and the ModelManager."""

@@ -1,0 +1,147 @@
+"""Build the ModelManager's registrations from the configuration.
+
+Sources of entries: the registry file (``--models-config``), a model given on
+the command line (``mlxd serve MODEL``), or the starter set when neither is
+given. Each entry gets its kind (detection) and a memory estimate before any
+weights are loaded, so wrong-kind requests are refused without a load.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxd.config import ServerConfig
+from mlxd.models.detection import DetectionError, detect, kind_from_name
+from mlxd.models.manager import ManagerPolicy, Registration
+from mlxd.models.memory import estimate_memory, parse_budget, read_config, weights_bytes_of_folder
+from mlxd.models.registry import RegistryData, RegistryFile
+from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.models.starter import starter_entries
+from mlxd.workflow.pypi import PyPISourceError, installed_root, parse_pypi_source
+
+log = logging.getLogger(__name__)
+
+
+class CatalogError(ValueError):
+    """The configured models cannot be served; the message says which and why."""
+
+
+@dataclass
+class Catalog:
+    registrations: list[Registration]
+    policy: ManagerPolicy
+    registry: RegistryFile | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
+    preload: list[str] = field(default_factory=list)
+
+
+def local_path_of(entry: ModelEntry, home: Path) -> Path | None:
+    """The entry's files if they are already on this machine (no download)."""
+    if entry.source.startswith("pypi:"):
+        try:
+            src = parse_pypi_source(entry.source)
+        except PyPISourceError as e:
+            raise CatalogError(f"model '{entry.name}': {e}") from None
+        root = installed_root(src) or home / "packages" / src.folder_name
+        path = root / src.path if src.path else root
+        return path if path.exists() else None
+    path = Path(entry.source).expanduser()
+    return path if path.exists() else None
+
+
+def _gguf_weights(path: Path, dtype_bytes: int) -> tuple[int, dict[str, int]]:
+    from mlxd.workflow.gguf_convert import GGUFModel
+
+    g = GGUFModel(path)
+    cfg = {"num_hidden_layers": g.a("block_count"), "num_attention_heads": g.a("attention.head_count"),
+           "num_key_value_heads": g.a("attention.head_count_kv"),
+           "hidden_size": g.a("embedding_length"), "head_dim": g.a("attention.key_length"),
+           "max_position_embeddings": g.a("context_length")}
+    return g.parameter_count() * dtype_bytes, {k: v for k, v in cfg.items() if v is not None}
+
+
+def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Registration:
+    """Kind and memory estimate of one entry, from the files when they are here."""
+    path = local_path_of(entry, config.home)
+    try:
+        if path is not None:
+            detection = detect(path, explicit=entry.kind, name=entry.name)
+        else:
+            by_name = entry.kind or kind_from_name(entry.name) or kind_from_name(entry.source)
+            if by_name is None:
+                by_name = ModelKind.TEXT  # a hub id with no other evidence: a causal LM
+            detection = detect(None, explicit=by_name, name=entry.name)
+    except DetectionError as e:
+        raise CatalogError(f"model '{entry.name}': {e}") from None
+    kind = detection.kind
+    dtype_bytes = 4  # float32 on CPU; an over-estimate on GPUs (float16)
+    weights, model_cfg = 0, {}
+    if path is not None:
+        gguf = path if path.suffix == ".gguf" else next(iter(sorted(path.glob("*.gguf"))), None) \
+            if path.is_dir() and not (path / "config.json").exists() else None
+        if gguf is not None:
+            weights, model_cfg = _gguf_weights(gguf, dtype_bytes)
+        elif path.is_dir():
+            weights, model_cfg = weights_bytes_of_folder(path), read_config(path)
+    context = int(entry.defaults.max_context or config.max_context or
+                  model_cfg.get("max_position_embeddings") or 4096)
+    from mlxd.engines.factory import prefix_cache_bytes
+
+    est = estimate_memory(kind, weights, model_cfg,
+                          max_num_seqs=entry.defaults.max_num_seqs or config.max_num_seqs,
+                          context=context, kv_reserve_tokens=config.kv_reserve_tokens,
+                          prefix_cache_bytes=prefix_cache_bytes(config, budget),
+                          dtype_bytes=dtype_bytes)
+    total = entry.estimated_memory if entry.estimated_memory is not None else est.total
+    return Registration(entry, kind, total, est.reserve)
+
+
+def model_entry_from_cli(config: ServerConfig) -> ModelEntry:
+    """The entry for ``mlxd serve MODEL``: named after the folder/file, or the hub id."""
+    source = str(config.model)
+    path = Path(source).expanduser()
+    if config.served_model_name:
+        name = config.served_model_name
+    elif path.exists():
+        name = path.resolve().name.removesuffix(".gguf")
+    else:
+        name = source
+    return ModelEntry(name=name, source=str(path.resolve()) if path.exists() else source,
+                      trust_remote_code=config.trust_remote_code)
+
+
+def build_catalog(config: ServerConfig) -> Catalog:
+    registry: RegistryFile | None = None
+    data = RegistryData()
+    if config.models_config is not None:
+        registry = RegistryFile(config.models_config)
+        data = registry.load()
+    entries = list(data.models)
+    if config.model:
+        cli_entry = model_entry_from_cli(config)
+        entries = [e for e in entries if e.name != cli_entry.name] + [cli_entry]
+    if not entries and not config.no_starter and config.models_config is None:
+        entries = starter_entries()
+    m = data.manager
+    budget = parse_budget(config.memory_budget if config.memory_budget is not None
+                          else m.memory_budget)
+    policy = ManagerPolicy(
+        budget_bytes=budget,
+        idle_unload_seconds=(config.idle_unload_seconds if config.idle_unload_seconds is not None
+                             else m.idle_unload_seconds),
+        contention=config.contention or m.contention or "wait",
+        wait_timeout_s=(config.wait_timeout_s if config.wait_timeout_s is not None
+                        else m.wait_timeout_s if m.wait_timeout_s is not None else 60.0))
+    regs = [registration_for(e, config, budget) for e in entries]
+    aliases: dict[str, str] = {}
+    chat = [r.entry.name for r in regs if r.kind in (ModelKind.TEXT, ModelKind.VISION)]
+    if config.model:
+        aliases["default"] = regs[-1].entry.name
+    elif chat:
+        aliases["default"] = chat[0]
+    if config.served_model_name and config.model is None and chat:
+        aliases[config.served_model_name] = chat[0]
+    preload = [r.entry.name for r in regs if r.entry.preload]
+    return Catalog(regs, policy, registry, aliases, preload)

@@ -1,0 +1,332 @@
+"""``ModelManager``: every loaded model of every kind under one memory budget.
+
+* A request holds a ``ModelLease`` for its whole life (streaming included);
+  a leased model is never evicted or idle-unloaded.
+* Loading and eviction decisions are serialized under one lock; the load
+  itself runs outside it (on the model's own thread), one load at a time.
+* To make room, idle unpinned models are evicted least-recently-used first.
+  When nothing can be evicted: ``wait`` (up to ``wait_timeout_s``) or
+  ``fail`` at once, with 503 + Retry-After naming what holds the budget.
+* A model that cannot fit even in an empty budget is a 507.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from mlxd.errors import Conflict, InsufficientStorage, InvalidRequest, ModelNotFound, Overloaded
+from mlxd.models.memory import format_bytes
+from mlxd.models.residency import Loader, ResidencyManager, State
+from mlxd.models.spec import ModelEntry, ModelKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ManagerPolicy:
+    budget_bytes: int
+    idle_unload_seconds: float | None = None
+    contention: str = "wait"
+    wait_timeout_s: float = 60.0
+    reaper_interval_s: float = 1.0
+
+
+class ModelLease:
+    """Holds one model loaded and un-evictable while a request uses it."""
+
+    def __init__(self, manager: ModelManager, residency: ResidencyManager) -> None:
+        self._manager = manager
+        self.residency = residency
+        self._released = False
+
+    @property
+    def engine(self) -> Any:
+        return self.residency.engine
+
+    @property
+    def name(self) -> str:
+        return self.residency.name
+
+    @property
+    def entry(self) -> ModelEntry:
+        return self.residency.entry
+
+    async def release(self) -> None:
+        if not self._released:
+            self._released = True
+            await self._manager._release(self.residency)
+
+
+@dataclass
+class Registration:
+    entry: ModelEntry
+    kind: ModelKind
+    estimate: int
+    reserve: int = 0
+
+
+class ModelManager:
+    """Owns every registered model's residency and the shared memory budget."""
+
+    def __init__(self, policy: ManagerPolicy, loader: Loader) -> None:
+        self.policy = policy
+        self._loader = loader
+        self._models: dict[str, ResidencyManager] = {}
+        self._aliases: dict[str, str] = {}
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Condition(self._lock)
+        self._device_lock = asyncio.Lock()
+        self._reaper: asyncio.Task[None] | None = None
+        self._closing = False
+        self.evictions = 0
+
+    # -- registry -----------------------------------------------------------
+    def register(self, reg: Registration) -> ResidencyManager:
+        if reg.entry.name in self._models:
+            raise Conflict(f"A model named '{reg.entry.name}' is already registered.")
+        res = ResidencyManager(reg.entry, reg.kind, reg.estimate, self._loader,
+                               reserve=reg.reserve, on_change=self._notify,
+                               load_gate=self._device_lock)
+        self._models[reg.entry.name] = res
+        return res
+
+    def alias(self, alias: str, name: str) -> None:
+        self._aliases[alias] = name
+
+    async def unregister(self, name: str) -> None:
+        res = self.get(name)
+        if res.leases:
+            raise Conflict(f"Model '{name}' is in use by {res.leases} request(s); retry later.")
+        await res.unload()
+        self._models.pop(res.name, None)
+        self._aliases = {a: n for a, n in self._aliases.items() if n != res.name}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._models)
+
+    def residencies(self) -> list[ResidencyManager]:
+        return list(self._models.values())
+
+    def resolve_name(self, name: str) -> str:
+        if name in self._models:
+            return name
+        if name in self._aliases:
+            return self._aliases[name]
+        raise ModelNotFound(name, self.names)
+
+    def get(self, name: str) -> ResidencyManager:
+        return self._models[self.resolve_name(name)]
+
+    def kind_of(self, name: str) -> ModelKind:
+        return self.get(name).kind
+
+    # -- budget -------------------------------------------------------------
+    def used_bytes(self, exclude: ResidencyManager | None = None) -> int:
+        return sum(r.accounted_bytes() for r in self._models.values() if r is not exclude)
+
+    def _holders(self) -> str:
+        held = [f"{r.name} ({format_bytes(r.accounted_bytes())}, {r.state}"
+                f"{', in use' if r.leases else ''}{', pinned' if r.pinned else ''})"
+                for r in self._models.values() if r.accounted_bytes()]
+        return ", ".join(held) or "nothing"
+
+    def _victim(self, exclude: ResidencyManager) -> ResidencyManager | None:
+        candidates = [r for r in self._models.values()
+                      if r is not exclude and r.state == State.LOADED and not r.leases
+                      and not r.pinned and not r.draining]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: r.last_used or r.loaded_at or 0.0)
+
+    # -- leases ---------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str, kinds: Iterable[ModelKind] | None = None,
+                    endpoint: str = "") -> AsyncIterator[ModelLease]:
+        """Hold ``name`` loaded for the duration of the ``async with`` block."""
+        lease = await self.acquire(name, kinds, endpoint)
+        try:
+            yield lease
+        finally:
+            await lease.release()
+
+    def check_kind(self, name: str, kinds: Iterable[ModelKind] | None, endpoint: str = "") -> None:
+        """Refuse a model of the wrong kind before anything is loaded (400)."""
+        if kinds is None:
+            return
+        allowed = set(kinds)
+        res = self.get(name)
+        if res.kind not in allowed:
+            where = f" {endpoint}" if endpoint else " this endpoint"
+            raise InvalidRequest(
+                f"Model '{res.name}' is a {res.kind} model;{where} serves "
+                f"{' / '.join(sorted(str(k) for k in allowed))} models.",
+                param="model", code="wrong_model_kind")
+
+    async def acquire(self, name: str, kinds: Iterable[ModelKind] | None = None,
+                      endpoint: str = "") -> ModelLease:
+        self.check_kind(name, kinds, endpoint)
+        res = self.get(name)
+        async with self._lock:
+            res.leases += 1
+        try:
+            await self._ensure_loaded(res)
+        except BaseException:
+            await self._release(res)
+            raise
+        res.last_used = time.monotonic()
+        return ModelLease(self, res)
+
+    async def _release(self, res: ResidencyManager) -> None:
+        async with self._lock:
+            res.leases = max(0, res.leases - 1)
+            res.last_used = time.monotonic()
+            self._changed.notify_all()
+
+    async def _notify(self) -> None:
+        async with self._lock:
+            self._changed.notify_all()
+
+    async def _ensure_loaded(self, res: ResidencyManager) -> None:
+        deadline = time.monotonic() + self.policy.wait_timeout_s
+        while True:
+            if self._closing:
+                raise Overloaded("The server is shutting down.", retry_after=5)
+            if res.draining or res.state == State.UNLOADING:
+                await self._wait_change(deadline, res, "is being unloaded")
+                continue
+            if res.state == State.LOADED:
+                return
+            if res.state == State.LOADING:
+                await res.wait_loaded()
+                continue
+            async with self._lock:
+                if res.state in (State.LOADED, State.LOADING) or res.draining:
+                    continue
+                if not await self._make_room(res, deadline):
+                    continue
+                task = res.start_load()
+            await asyncio.shield(task)
+            return
+
+    async def _wait_change(self, deadline: float, res: ResidencyManager, why: str) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise Overloaded(f"Model '{res.name}' {why}; retry shortly.", retry_after=2)
+        async with self._lock:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _make_room(self, res: ResidencyManager, deadline: float) -> bool:
+        """Called with the lock held. Evicts until ``res`` fits; False: state changed, retry."""
+        budget = self.policy.budget_bytes
+        need = res.estimate
+        if need > budget:
+            raise InsufficientStorage(
+                f"Model '{res.name}' needs an estimated {format_bytes(need)}, more than the whole "
+                f"memory budget of {format_bytes(budget)}. Raise --memory-budget or use a smaller "
+                "or quantized model.", param="model", code="model_too_large")
+        while self.used_bytes(exclude=res) + need > budget:
+            victim = self._victim(res)
+            if victim is not None:
+                log.info("evicting %s (%s) to load %s", victim.name,
+                         format_bytes(victim.accounted_bytes()), res.name)
+                self.evictions += 1
+                self._lock.release()
+                try:
+                    await victim.unload()
+                finally:
+                    await self._lock.acquire()
+                return False
+            message = (f"Memory budget {format_bytes(budget)} is held by {self._holders()}; "
+                       f"model '{res.name}' needs {format_bytes(need)} and nothing can be evicted.")
+            if self.policy.contention == "fail":
+                raise Overloaded(message, retry_after=5, code="memory_budget_full")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Overloaded(message + f" Waited {self.policy.wait_timeout_s:.0f}s.",
+                                 retry_after=5, code="memory_budget_full")
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+            if res.state in (State.LOADED, State.LOADING):
+                return False
+        return True
+
+    # -- admin ----------------------------------------------------------------
+    async def load(self, name: str) -> ResidencyManager:
+        lease = await self.acquire(name)
+        await lease.release()
+        return lease.residency
+
+    async def unload(self, name: str, wait: bool = True, timeout: float = 300.0) -> bool:
+        """Unload ``name``; with ``wait`` new requests queue until in-flight ones finish."""
+        res = self.get(name)
+        if res.state != State.LOADED:
+            return False
+        if res.leases and not wait:
+            raise Conflict(f"Model '{res.name}' is in use by {res.leases} request(s); "
+                           "retry later or unload with wait=true.", code="model_in_use")
+        res.draining = True
+        try:
+            deadline = time.monotonic() + timeout
+            async with self._lock:
+                while res.leases:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise Conflict(f"Model '{res.name}' stayed in use for {timeout:.0f}s.")
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), timeout=remaining)
+                    except asyncio.TimeoutError:
+                        pass
+            await res.unload()
+        finally:
+            res.draining = False
+            await self._notify()
+        return True
+
+    # -- lifecycle ------------------------------------------------------------
+    async def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def preload(self, names: Iterable[str]) -> None:
+        for name in names:
+            await self.load(name)
+
+    async def _reap(self) -> None:
+        """Unload models idle past their TTL (per model, or the manager default)."""
+        while not self._closing:
+            await asyncio.sleep(self.policy.reaper_interval_s)
+            now = time.monotonic()
+            for res in list(self._models.values()):
+                ttl = res.entry.ttl_seconds
+                if ttl is None:
+                    ttl = self.policy.idle_unload_seconds
+                if ttl is None or res.pinned or res.state != State.LOADED or res.leases:
+                    continue
+                if res.idle_for(now) >= ttl:
+                    log.info("unloading %s: idle for %.0fs (ttl %.0fs)", res.name,
+                             res.idle_for(now), ttl)
+                    try:
+                        await res.unload()
+                    except Exception:
+                        log.exception("idle unload of %s failed", res.name)
+
+    async def shutdown(self, timeout: float = 8.0) -> None:
+        """Close every engine, even mid-load or mid-unload; bounded by ``timeout``."""
+        self._closing = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reaper
+        await asyncio.gather(*(r.shutdown(timeout) for r in self._models.values()),
+                             return_exceptions=True)

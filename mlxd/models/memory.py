@@ -1,0 +1,108 @@
+"""Memory budget parsing and per-model memory estimates (no MLX needed).
+
+An estimate is the weights plus a reserve for the model's serving limits:
+KV cache for text/vision models (``max_num_seqs`` x context, capped by
+``kv_reserve_tokens``) and the prefix cache; activation buffers for the
+other kinds. After a load the manager replaces the weights part with the
+measured figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxd.models.spec import ModelKind, parse_size
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
+DEFAULT_KV_RESERVE_TOKENS = 32_768
+ACTIVATION_RESERVE = {ModelKind.EMBEDDING: 0.25, ModelKind.RERANK: 0.25,
+                      ModelKind.STT: 0.5, ModelKind.TTS: 0.5}
+MIN_ACTIVATION_RESERVE = 32 * 1024 * 1024
+
+
+def total_memory_bytes() -> int:
+    """Physical memory of this machine (unified memory on Apple silicon)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30
+
+
+def parse_budget(value: str | int | float | None, total: int | None = None) -> int:
+    """``8GB`` / ``512MiB`` / bytes / ``70%`` (of physical memory). None: 75% of memory."""
+    total = total if total is not None else total_memory_bytes()
+    if value is None:
+        return int(total * 0.75)
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            pct = float(value.strip()[:-1])
+        except ValueError:
+            raise ValueError(f"cannot parse memory budget {value!r}") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"memory budget percentage must be in (0, 100]: {value!r}")
+        return int(total * pct / 100)
+    return parse_size(value)
+
+
+def format_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@dataclass
+class MemoryEstimate:
+    weights: int
+    reserve: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.reserve
+
+
+def weights_bytes_of_folder(folder: Path) -> int:
+    """Bytes of the weight files in a model folder."""
+    total = 0
+    for pattern in ("*.safetensors", "*.npz", "*.bin", "*.onnx", "*.gguf"):
+        total += sum(p.stat().st_size for p in folder.glob(pattern) if p.is_file())
+    return total
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 4) -> int:
+    cfg = config.get("text_config") or config
+    layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers") or 0)
+    heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 1)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden = int(cfg.get("hidden_size") or cfg.get("n_embd") or 0)
+    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None = None, *,
+                    max_num_seqs: int = 16, context: int = 4096,
+                    kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS,
+                    prefix_cache_bytes: int = 0, dtype_bytes: int = 4) -> MemoryEstimate:
+    """Weights plus the reserve for this kind's serving limits."""
+    if kind in (ModelKind.TEXT, ModelKind.VISION):
+        tokens = min(max_num_seqs * context, kv_reserve_tokens)
+        reserve = kv_bytes_per_token(config or {}, dtype_bytes) * tokens + prefix_cache_bytes
+        return MemoryEstimate(weights, reserve)
+    frac = ACTIVATION_RESERVE.get(kind, 0.25)
+    return MemoryEstimate(weights, max(MIN_ACTIVATION_RESERVE, int(weights * frac)))
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((Path(folder) / "config.json").read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}

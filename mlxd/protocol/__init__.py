@@ -1,0 +1,1 @@
+"""Pydantic models of each API's wire format. No logic lives here."""

@@ -1,0 +1,87 @@
+"""``build_app(config)``: the FastAPI application for one mlxd server.
+
+Everything the routes need hangs off ``app.state.ctx``; tests build as many
+apps as they like. The model catalog (and its errors) can be built before
+the app so ``mlxd serve`` reports a bad registry before binding the port.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from mlxd import __version__
+from mlxd.config import ServerConfig
+from mlxd.models.catalog import Catalog, build_catalog
+from mlxd.models.manager import ModelManager
+from mlxd.server.context import ServerContext
+from mlxd.server.errors import install_error_handlers
+from mlxd.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from mlxd.server.routes import chat, completions, health, models
+
+log = logging.getLogger("mlxd")
+
+ReadyHook = Callable[[ServerContext], None]
+
+
+def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: Any = None,
+              on_ready: ReadyHook | None = None) -> FastAPI:
+    """Build the app; models are registered at startup and loaded on demand."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        cat = catalog or build_catalog(config)
+        if loader is None:
+            from mlxd.engines.factory import EngineFactory
+
+            model_loader: Any = EngineFactory(config, cat.policy.budget_bytes)
+        else:
+            model_loader = loader
+        manager = ModelManager(cat.policy, model_loader)
+        for reg in cat.registrations:
+            manager.register(reg)
+        for alias, name in cat.aliases.items():
+            manager.alias(alias, name)
+        ctx = ServerContext(config=config, manager=manager, registry=cat.registry)
+        app.state.ctx = ctx
+        await manager.start()
+        try:
+            if cat.preload:
+                await manager.preload(cat.preload)
+            if on_ready is not None:
+                on_ready(ctx)
+            yield
+        finally:
+            await manager.shutdown()
+
+    app = FastAPI(title="mlxd", version=__version__, lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None)
+    install_error_handlers(app)
+    for module in (health, models, chat, completions):
+        app.include_router(module.router)
+    _include_optional_routers(app)
+    app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins,
+                           allow_methods=["*"], allow_headers=["*"])
+    return app
+
+
+def _include_optional_routers(app: FastAPI) -> None:
+    """Routers of the other API families, added as their modules land."""
+    import importlib
+
+    for name in ("anthropic", "responses", "embeddings", "rerank", "metrics"):
+        try:
+            module = importlib.import_module(f"mlxd.server.routes.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"mlxd.server.routes.{name}":
+                raise
+            continue
+        app.include_router(module.router)

@@ -1,0 +1,130 @@
+"""ASGI middleware: request body limit and API-key authentication."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+PUBLIC_PATHS = frozenset({"/health", "/healthz"})
+ADMIN_ROUTES = (("POST", "/v1/models/load"), ("POST", "/v1/models/unload"),
+                ("PUT", "/v1/models"), ("DELETE", "/v1/models/"))
+
+
+def _error_payload(path: str, status: int, message: str, kind: str) -> bytes:
+    if path.startswith("/v1/messages"):
+        body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+    else:
+        body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return json.dumps(body).encode()
+
+
+async def _send_error(send: Send, path: str, status: int, message: str, kind: str,
+                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    payload = _error_payload(path, status, message, kind)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``max_bytes`` with 413 before they are parsed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    if int(value) > self.max_bytes:
+                        await _send_error(send, path, 413,
+                                          f"Request body of {int(value)} bytes exceeds the limit "
+                                          f"of {self.max_bytes} bytes.", "request_too_large")
+                        return
+                except ValueError:
+                    pass
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await _send_error(send, path, 413, f"Request body exceeds the limit of "
+                                               f"{self.max_bytes} bytes.", "request_too_large")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _is_admin(method: str, path: str) -> bool:
+    return any(method == m and (path == p or (p.endswith("/") and path.startswith(p)))
+               for m, p in ADMIN_ROUTES)
+
+
+class AuthMiddleware:
+    """Every route but /health needs the API key (Bearer or x-api-key) when one is set.
+
+    Admin routes need the admin key when one is configured. Keys are compared
+    in constant time.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.admin_key = admin_key
+
+    @staticmethod
+    def _presented(scope: Scope) -> str | None:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                text = value.decode("latin-1")
+                if text.lower().startswith("bearer "):
+                    return text[7:].strip()
+            elif name == b"x-api-key":
+                return value.decode("latin-1").strip()
+        return None
+
+    @staticmethod
+    def _matches(presented: str | None, expected: str) -> bool:
+        return presented is not None and hmac.compare_digest(
+            presented.encode("utf-8"), expected.encode("utf-8"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in PUBLIC_PATHS or \
+                scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path, method = scope.get("path", ""), scope.get("method", "")
+        presented = self._presented(scope)
+        if _is_admin(method, path) and self.admin_key:
+            if not self._matches(presented, self.admin_key):
+                await _send_error(send, path, 403 if presented else 401,
+                                  "This admin route needs the admin API key.",
+                                  "permission_error" if presented else "authentication_error")
+                return
+        elif self.api_key and not (self._matches(presented, self.api_key) or
+                                   (self.admin_key and self._matches(presented, self.admin_key))):
+            await _send_error(send, path, 401,
+                              "Missing or invalid API key. Send 'Authorization: Bearer KEY' "
+                              "or 'x-api-key: KEY'.", "authentication_error",
+                              [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,108 @@
+"""/v1/models: the OpenAI model list plus mlxd's state, and the admin routes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlxd.errors import Conflict, InvalidRequest
+from mlxd.models.catalog import CatalogError, registration_for
+from mlxd.models.residency import ResidencyManager, State
+from mlxd.models.spec import ModelEntry
+from mlxd.server.context import ServerContext, get_ctx
+
+router = APIRouter()
+
+
+class ModelRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1)
+    wait: bool = True
+
+
+def _iso(monotonic: float | None) -> str | None:
+    if monotonic is None:
+        return None
+    wall = time.time() - (time.monotonic() - monotonic)
+    return dt.datetime.fromtimestamp(wall, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
+    aliases = [a for a, n in ctx.manager._aliases.items() if n == res.name]
+    card: dict[str, Any] = {
+        "id": res.name, "object": "model", "created": int(ctx.started_at), "owned_by": "mlxd",
+        "kind": str(res.kind), "state": str(res.state), "pinned": res.pinned,
+        "memory_bytes": res.memory_bytes(), "estimated_bytes": res.estimate,
+        "loads": res.loads, "last_used": _iso(res.last_used), "in_use": res.leases,
+        "aliases": aliases, "source": res.entry.source,
+    }
+    if res.state == State.FAILED:
+        card["error"] = res.last_error
+    engine = res.engine
+    if engine is not None and res.state == State.LOADED:
+        try:
+            card.update(engine.describe())
+        except Exception:
+            pass
+    if res.entry.qualification:
+        card["qualification"] = res.entry.qualification.get("status")
+    return card
+
+
+@router.get("/v1/models")
+async def list_models(ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(ctx, r) for r in ctx.manager.residencies()]}
+
+
+@router.get("/v1/models/{name:path}")
+async def get_model(name: str, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    return model_card(ctx, ctx.manager.get(name))
+
+
+@router.post("/v1/models/load")
+async def load_model(ref: ModelRef, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    res = await ctx.manager.load(ref.model)
+    return model_card(ctx, res)
+
+
+@router.post("/v1/models/unload")
+async def unload_model(ref: ModelRef, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    unloaded = await ctx.manager.unload(ref.model, wait=ref.wait)
+    card = model_card(ctx, ctx.manager.get(ref.model))
+    card["unloaded"] = unloaded
+    return card
+
+
+@router.put("/v1/models")
+async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    """Add (or replace, when not in use) a registry entry at run time."""
+    try:
+        reg = registration_for(entry, ctx.config, ctx.manager.policy.budget_bytes)
+    except CatalogError as e:
+        raise InvalidRequest(str(e), param="source") from None
+    replaced = entry.name in ctx.manager.names
+    if replaced:
+        res = ctx.manager.get(entry.name)
+        if res.leases:
+            raise Conflict(f"Model '{entry.name}' is in use; retry later.", code="model_in_use")
+        await ctx.manager.unregister(entry.name)
+    ctx.manager.register(reg)
+    persisted = False
+    if ctx.registry is not None:
+        ctx.registry.upsert(entry)
+        persisted = True
+    card = model_card(ctx, ctx.manager.get(entry.name))
+    card.update(replaced=replaced, persisted=persisted)
+    return card
+
+
+@router.delete("/v1/models/{name:path}")
+async def delete_model(name: str, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    res = ctx.manager.get(name)
+    await ctx.manager.unregister(res.name)
+    persisted = ctx.registry.remove(res.name) if ctx.registry is not None else False
+    return {"id": res.name, "object": "model", "deleted": True, "persisted": persisted}

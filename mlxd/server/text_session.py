@@ -1,0 +1,179 @@
+"""What every text API adapter shares: lease a model, prepare, run n choices.
+
+The adapters (OpenAI chat/completions, Responses, Anthropic) only translate
+requests into a ``GenerationRequest`` and events into their wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from fastapi import Request
+
+from mlxd.errors import InvalidRequest
+from mlxd.generation.events import Event, Finish, Usage
+from mlxd.generation.params import GenerationRequest, SamplingParams
+from mlxd.models.manager import ModelLease
+from mlxd.models.spec import CHAT_KINDS, ModelKind, ServingDefaults
+from mlxd.server.context import ServerContext
+
+
+def pick(*values: Any) -> Any:
+    """First value that is not None."""
+    for v in values:
+        if v is not None:
+            return v
+    return None
+
+
+def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None,
+                    min_p: float | None, seed: int | None, repetition_penalty: float | None,
+                    presence_penalty: float | None, frequency_penalty: float | None,
+                    logit_bias: dict[str, float] | None,
+                    defaults: ServingDefaults) -> SamplingParams:
+    """Request values, else the registry entry's serving defaults, else OpenAI's."""
+    return SamplingParams(
+        temperature=float(pick(temperature, defaults.temperature, 1.0)),
+        top_p=float(pick(top_p, defaults.top_p, 1.0)),
+        top_k=int(pick(top_k, defaults.top_k, 0) or 0) if pick(top_k, defaults.top_k, 0) != -1 else 0,
+        min_p=float(pick(min_p, defaults.min_p, 0.0)),
+        seed=seed,
+        repetition_penalty=pick(repetition_penalty, defaults.repetition_penalty),
+        presence_penalty=float(presence_penalty or 0.0),
+        frequency_penalty=float(frequency_penalty or 0.0),
+        logit_bias={int(k): float(v) for k, v in (logit_bias or {}).items()} or None,
+    )
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    return [s for s in items if s]
+
+
+def merge_usage(usages: Iterable[Usage]) -> Usage:
+    items = list(usages)
+    if not items:
+        return Usage(0, 0)
+    return Usage(prompt_tokens=items[0].prompt_tokens,
+                 completion_tokens=sum(u.completion_tokens for u in items),
+                 cached_tokens=items[0].cached_tokens,
+                 reasoning_tokens=sum(u.reasoning_tokens for u in items))
+
+
+def usage_openai(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class TextSession:
+    """A leased text model with one prepared request; close it when done."""
+
+    def __init__(self, lease: ModelLease, prepared: Any, n: int) -> None:
+        self.lease = lease
+        self.prepared = prepared
+        self.n = n
+
+    @property
+    def model_name(self) -> str:
+        return self.lease.name
+
+    @property
+    def engine(self) -> Any:
+        return self.lease.engine
+
+    @classmethod
+    async def open(cls, ctx: ServerContext, model: str, request: GenerationRequest, *, n: int = 1,
+                   endpoint: str, kinds: Iterable[ModelKind] = CHAT_KINDS) -> TextSession:
+        if n > ctx.config.max_n:
+            raise InvalidRequest(f"n must be at most {ctx.config.max_n}", param="n")
+        lease = await ctx.manager.acquire(model, kinds, endpoint)
+        try:
+            prepared = await lease.engine.prepare(request)
+        except BaseException:
+            await lease.release()
+            raise
+        return cls(lease, prepared, n)
+
+    async def close(self) -> None:
+        await self.lease.release()
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """Events of all choices, interleaved, tagged with the choice index."""
+        if self.n == 1:
+            async for ev in self.engine.generate(self.prepared):
+                yield 0, ev
+            return
+        queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            try:
+                async for ev in self.engine.generate(self.prepared, seed_offset=index):
+                    await queue.put((index, ev))
+            finally:
+                await queue.put((index, None))
+
+        tasks = [asyncio.create_task(run(i)) for i in range(self.n)]
+        try:
+            done = 0
+            while done < self.n:
+                index, ev = await queue.get()
+                if ev is None:
+                    done += 1
+                    continue
+                yield index, ev
+            for t in tasks:
+                if t.done() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+        finally:
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, request: Request | None = None) -> dict[int, list[Event]]:
+        """All events per choice; stops generating if the client disconnects."""
+        out: dict[int, list[Event]] = {i: [] for i in range(self.n)}
+
+        async def gather() -> None:
+            async for index, ev in self.events():
+                out[index].append(ev)
+
+        if request is None:
+            await gather()
+            return out
+        work = asyncio.create_task(gather())
+        gone = asyncio.create_task(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+        if work.cancelled():
+            raise asyncio.CancelledError()
+        work.result()
+        return out
+
+
+def finish_of(events: list[Event]) -> Finish:
+    for ev in reversed(events):
+        if isinstance(ev, Finish):
+            return ev
+    return Finish("cancelled", Usage(0, 0))

@@ -1,0 +1,1 @@
+"""Getting models in: inspect, acquire, convert, register, qualify, with manifests."""

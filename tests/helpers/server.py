@@ -1,0 +1,68 @@
+"""A real mlxd server on 127.0.0.1 in a background thread, for tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import uvicorn
+
+from mlxd.config import ServerConfig
+from mlxd.server.app import build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RunningServer:
+    def __init__(self, app: Any, port: int) -> None:
+        self.app = app
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                    log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def ctx(self) -> Any:
+        return self.app.state.ctx
+
+    def start(self, timeout: float = 120.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("server thread exited during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120.0), **kw)
+
+
+@contextmanager
+def running_server(config: ServerConfig | None = None, **kw: Any) -> Iterator[RunningServer]:
+    port = free_port()
+    cfg = config or ServerConfig()
+    cfg = cfg.model_copy(update={"port": port, "host": "127.0.0.1"})
+    app = build_app(cfg, **kw)
+    srv = RunningServer(app, port)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
