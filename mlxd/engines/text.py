@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxd.engines.prefix_cache import PrefixCache
+from mlxd.engines.structured import GrammarTokenizer
 from mlxd.engines.scheduler import BatchScheduler, EventSink, SchedulerBase, SerialScheduler, Sequence
 from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
@@ -33,6 +34,7 @@ from mlxd.generation.events import Event, Finish
 from mlxd.generation.params import GenerationRequest
 from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
 from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
+from mlxd.generation.structured import forced_tool_format, grammar_for, tool_call_constraint
 from mlxd.generation.tools import ToolCallFormat, tool_call_format
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class PreparedPrompt:
     stop_token_ids: set[int]
     start_in_reasoning: bool
     tool_format: ToolCallFormat | None
+    grammar: str | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -118,6 +121,7 @@ class MLXLanguageModel:
         self.prefix_cache: PrefixCache | None = None
         self.reasoning: ReasoningFormat | None = None
         self.tool_format: ToolCallFormat | None = None
+        self.grammar_tokenizer: GrammarTokenizer | None = None
         self._weights_bytes = 0
 
     # -- lifecycle (worker thread) -----------------------------------------
@@ -138,6 +142,10 @@ class MLXLanguageModel:
             ctx = min(ctx, self.options.max_context)
         self.context_length = ctx
         self._build_parsers()
+        vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+                    or len(tokenizer))
+        self.grammar_tokenizer = GrammarTokenizer(tokenizer._tokenizer, vocab,
+                                                  sorted(tokenizer.eos_token_ids))
         batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
         if self.options.prefix_cache_bytes > 0:
             self.prefix_cache = PrefixCache(self.options.prefix_cache_bytes)
@@ -228,6 +236,8 @@ class MLXLanguageModel:
         messages = template_messages(request.messages or [])
         use_tools = bool(request.tools) and request.tool_choice.mode != "none"
         fmt = self.tool_format if use_tools else None
+        if use_tools and request.tool_choice.mode in ("required", "function"):
+            fmt = forced_tool_format(fmt)
         kwargs: dict[str, Any] = dict(request.chat_template_kwargs)
         if use_tools:
             assert fmt is not None
@@ -273,7 +283,26 @@ class MLXLanguageModel:
         start_in_reasoning = bool(self.reasoning and request.messages is not None
                                   and self.reasoning.starts_inside(text))
         return PreparedPrompt(request, tokens, text, max_tokens, stop_ids,
-                              start_in_reasoning, fmt)
+                              start_in_reasoning, fmt, self._grammar(request, fmt))
+
+    def _grammar(self, request: GenerationRequest, fmt: ToolCallFormat | None) -> str | None:
+        """The llguidance grammar this request decodes under, validated (400 if bad)."""
+        constraint = request.constraint
+        forced = (request.messages is not None and bool(request.tools)
+                  and request.tool_choice.mode in ("required", "function"))
+        if forced and constraint is not None:
+            raise InvalidRequest("A forced tool call (tool_choice required or a named function) "
+                                 "cannot be combined with response_format.", param="tool_choice")
+        if forced:
+            assert fmt is not None
+            constraint = tool_call_constraint(request.tools, request.tool_choice, fmt)
+        if constraint is None:
+            return None
+        grammar = grammar_for(constraint)
+        assert self.grammar_tokenizer is not None
+        self.grammar_tokenizer.validate(
+            grammar, "tool_choice" if forced else "response_format")
+        return grammar
 
     def _check_limits(self, n_prompt: int, max_tokens: int | None) -> int:
         ctx = self.context_length
@@ -319,7 +348,8 @@ class MLXLanguageModel:
             seq_id=prepared.id + uuid.uuid4().hex[:8], prompt_tokens=prepared.tokens,
             max_tokens=prepared.max_tokens, sampling=sampling,
             stop_token_ids=prepared.stop_token_ids, pipeline=self._pipeline(prepared),
-            sink=sink, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+            sink=sink, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+            processor_factory=self._constraint_factory(prepared.grammar))
         scheduler = self.scheduler
         scheduler.submit(seq)
         finished = False
@@ -333,6 +363,12 @@ class MLXLanguageModel:
         finally:
             if not finished:
                 scheduler.cancel(seq.seq_id)
+
+    def _constraint_factory(self, grammar: str | None) -> Any:
+        if grammar is None or self.grammar_tokenizer is None:
+            return None
+        gt = self.grammar_tokenizer
+        return lambda: [gt.processor(grammar)]
 
     async def prompt_logprobs(self, tokens: list[int], top: int) -> list[Any]:
         """Log-probabilities of each prompt token given its prefix (``echo`` + ``logprobs``)."""

@@ -1,0 +1,76 @@
+"""Constrained decoding with llguidance: one matcher per sequence, as a logits processor.
+
+The tokenizer conversion is done once per model load. Each constrained
+sequence gets its own ``LLMatcher``; unconstrained sequences in the same
+batch have no processor and pay nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxd.errors import InvalidRequest
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class GrammarTokenizer:
+    """llguidance's view of a model's tokenizer (built lazily; ~1 s for big vocabularies)."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> None:
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self._ll: Any = None
+
+    @property
+    def ll(self) -> Any:
+        if self._ll is None:
+            from llguidance.hf import from_tokenizer
+
+            self._ll = from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                                      eos_token=self.eos_ids[0] if len(self.eos_ids) == 1
+                                      else self.eos_ids)
+        return self._ll
+
+    def validate(self, grammar: str, param: str = "response_format") -> None:
+        """400 with llguidance's message when the grammar does not compile."""
+        from llguidance import LLMatcher
+
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
+        if is_error:
+            raise InvalidRequest(f"Invalid constraint: {messages[0] if messages else 'error'}",
+                                 param=param)
+
+    def processor(self, grammar: str) -> LogitsProcessor:
+        """A fresh logits processor that masks every token the grammar forbids."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.ll, grammar, log_level=0)
+        vocab = self.vocab_size
+        state = {"base": -1, "consumed": 0}
+
+        def process(tokens: mx.array, logits: mx.array) -> mx.array:
+            n = int(tokens.shape[0]) if tokens.ndim else 0
+            if state["base"] < 0:
+                state["base"] = n
+            new = n - state["base"] - state["consumed"]
+            if new > 0:
+                for tok in tokens[n - new:].tolist():
+                    matcher.consume_token(int(tok))
+                state["consumed"] += new
+            if matcher.is_error():
+                raise RuntimeError(f"constraint failed: {matcher.get_error()}")
+            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
+            width = logits.shape[-1]
+            if width > allowed.size:
+                allowed = np.concatenate([allowed, np.zeros(width - allowed.size, bool)])
+            mask = mx.array(allowed[:width])
+            return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+        return process
