@@ -61,6 +61,9 @@ def add_parser(sub: Any, name: str, help_text: str) -> None:
         p.add_argument(flag, dest=field, action="store_const", const=value, default=None,
                        help=help_text_)
     p.add_argument("--no-preload", action="store_true", help="load models on first request only")
+    p.add_argument("--blas", choices=["auto", "openblas", "off"], default=None,
+                   help="Linux CPU: preload OpenBLAS for 2-3x faster float32 (default auto, "
+                        "MLXD_BLAS; see mlxd/blas.py)")
     p.set_defaults(run=run)
 
 
@@ -110,6 +113,9 @@ def _ready_line(ctx: Any, host: str, port: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mlxd.blas import reexec_with_openblas
+
+    blas = reexec_with_openblas(getattr(args, "blas", None))  # may re-exec this command
     import uvicorn
     from rich.console import Console
 
@@ -119,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
     from mlxd.server.app import build_app
 
     console = Console(stderr=True)
+    if blas.action == "error":
+        console.print(f"[red]error:[/red] {blas.reason}")
+        return 2
+    if sys.platform.startswith("linux"):
+        console.print(f"BLAS: {blas.reason}")
     try:
         config = config_from_args(args)
         catalog = build_catalog(config)
