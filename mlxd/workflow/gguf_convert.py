@@ -255,8 +255,9 @@ def convert_gguf(src: Path, out: Path, *, dtype: str = "float32", permute: bool 
         raise ConversionError(f"GGUF architecture '{g.arch or '?'}' is not supported; supported: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     out = Path(out)
+    for stale in out.parent.glob(f".{out.name}.partial-*") if out.parent.exists() else ():
+        shutil.rmtree(stale, ignore_errors=True)  # left by a killed conversion
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         weights = convert_tensors(g, dtype, permute=permute, progress=progress)

@@ -1,0 +1,119 @@
+"""``mlxd ps | load | unload``: look at and steer a running server over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def add_parser(sub: Any, name: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text)
+    if name in ("load", "unload"):
+        p.add_argument("model", help="model name")
+    if name == "unload":
+        p.add_argument("--no-wait", action="store_true",
+                       help="fail with 409 instead of waiting for in-flight requests")
+    p.add_argument("--url", default=os.environ.get("MLXD_URL", DEFAULT_URL),
+                   help=f"server URL (default {DEFAULT_URL}, or $MLXD_URL)")
+    p.add_argument("--api-key", default=os.environ.get("MLXD_API_KEY"),
+                   help="API key (admin key for load/unload), or $MLXD_API_KEY")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.set_defaults(run={"ps": run_ps, "load": run_load, "unload": run_unload}[name])
+
+
+def _client(args: argparse.Namespace) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return httpx.Client(base_url=args.url, headers=headers, timeout=args.timeout)
+
+
+def _fail(r: httpx.Response) -> int:
+    try:
+        body = r.json()
+        message = (body.get("error") or {}).get("message") or r.text
+    except ValueError:
+        message = r.text
+    print(f"error: HTTP {r.status_code}: {message}", file=sys.stderr)
+    return 1
+
+
+def _request(args: argparse.Namespace, method: str, path: str, **kw: Any) -> httpx.Response | None:
+    try:
+        with _client(args) as http:
+            return http.request(method, path, **kw)
+    except httpx.HTTPError as e:
+        print(f"error: cannot reach mlxd at {args.url}: {e}", file=sys.stderr)
+        return None
+
+
+def _bytes(n: Any) -> str:
+    from mlxd.models.memory import format_bytes
+
+    return format_bytes(n) if isinstance(n, (int, float)) else "-"
+
+
+def models_table(models: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="mlxd models")
+    for col in ("NAME", "KIND", "STATE", "PINNED", "MEMORY", "LOADS", "IN USE", "LAST USED"):
+        table.add_column(col, justify="right" if col in ("MEMORY", "LOADS", "IN USE") else "left")
+    for m in models:
+        name = m["id"] + (f" ({', '.join(m['aliases'])})" if m.get("aliases") else "")
+        table.add_row(name, m.get("kind", "-"), m.get("state", "-"),
+                      "yes" if m.get("pinned") else "", _bytes(m.get("memory_bytes")),
+                      str(m.get("loads", 0)), str(m.get("in_use", 0)),
+                      (m.get("last_used") or "-").replace("+00:00", "Z"))
+    return table
+
+
+def run_ps(args: argparse.Namespace) -> int:
+    r = _request(args, "GET", "/v1/models")
+    if r is None:
+        return 1
+    if r.status_code != 200:
+        return _fail(r)
+    models = r.json()["data"]
+    if args.json:
+        print(json.dumps(models, indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(models_table(models))
+    return 0
+
+
+def _show(args: argparse.Namespace, card: dict[str, Any], verb: str) -> None:
+    if args.json:
+        print(json.dumps(card, indent=2))
+    else:
+        print(f"{card['id']}: {verb} (state {card['state']}, memory {_bytes(card['memory_bytes'])})")
+
+
+def run_load(args: argparse.Namespace) -> int:
+    r = _request(args, "POST", "/v1/models/load", json={"model": args.model})
+    if r is None:
+        return 1
+    if r.status_code != 200:
+        return _fail(r)
+    _show(args, r.json(), "loaded")
+    return 0
+
+
+def run_unload(args: argparse.Namespace) -> int:
+    r = _request(args, "POST", "/v1/models/unload",
+                 json={"model": args.model, "wait": not args.no_wait})
+    if r is None:
+        return 1
+    if r.status_code != 200:
+        return _fail(r)
+    card = r.json()
+    _show(args, card, "unloaded" if card.get("unloaded") else "was not loaded")
+    return 0

@@ -1,0 +1,99 @@
+"""Admin API and the `mlxd ps | load | unload` commands against a real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from mlxd.cli import main
+from mlxd.config import ServerConfig
+from tests.helpers.server import free_port, running_server
+
+
+def test_ps_load_unload_commands(tiny_model: Path, test_home: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = ServerConfig(model=str(tiny_model), served_model_name="tiny", home=test_home,
+                       no_starter=True)
+    with running_server(cfg) as srv:
+        assert main(["load", "tiny", "--url", srv.url]) == 0
+        assert "tiny: loaded (state loaded" in capsys.readouterr().out
+        assert main(["ps", "--url", srv.url]) == 0
+        table = capsys.readouterr().out
+        assert "tiny" in table and "loaded" in table and "text" in table
+        assert main(["ps", "--url", srv.url, "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert rows[0]["id"] == "tiny" and rows[0]["state"] == "loaded"
+        assert main(["unload", "tiny", "--url", srv.url]) == 0
+        assert "tiny: unloaded" in capsys.readouterr().out
+        assert main(["unload", "missing", "--url", srv.url]) == 1
+        assert "does not exist" in capsys.readouterr().err
+
+
+def test_put_and_delete_models_are_persisted_to_the_registry(
+        tiny_model: Path, tiny_model_b: Path, tmp_path: Path, test_home: Path) -> None:
+    reg = tmp_path / "models.yaml"
+    reg.write_text(yaml.safe_dump({"models": [{"name": "a", "source": str(tiny_model)}]}))
+    cfg = ServerConfig(models_config=reg, home=test_home, no_starter=True)
+    with running_server(cfg) as srv, srv.client() as http:
+        r = http.put("/v1/models", json={"name": "b", "source": str(tiny_model_b),
+                                         "ttl_seconds": 60})
+        assert r.status_code == 200, r.text
+        assert r.json()["persisted"] is True and r.json()["kind"] == "text"
+        names = [m["name"] for m in yaml.safe_load(reg.read_text())["models"]]
+        assert names == ["a", "b"]
+        chat = {"model": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        bad = http.put("/v1/models", json={"name": "c", "source": str(tmp_path / "missing")})
+        assert bad.status_code == 400
+        assert [m["name"] for m in yaml.safe_load(reg.read_text())["models"]] == ["a", "b"]
+        assert http.delete("/v1/models/b").status_code == 200
+        assert [m["name"] for m in yaml.safe_load(reg.read_text())["models"]] == ["a"]
+        assert http.post("/v1/chat/completions", json=chat).status_code == 404
+
+
+@pytest.mark.slow
+def test_shutdown_during_a_load_exits_within_ten_seconds(smollm2_gguf: Path,
+                                                          tmp_path: Path) -> None:
+    """A slow first load (GGUF conversion) must not hold up SIGTERM."""
+    port = free_port()
+    env = {**os.environ, "MLXD_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", str(smollm2_gguf),
+                             "--no-preload", "--port", str(port), "--served-model-name", "s"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"model": "s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        threading.Thread(target=lambda: _quiet_post(url, body), daemon=True).start()
+        while httpx.get(url + "/v1/models").json()["data"][0]["state"] != "loading":
+            time.sleep(0.05)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+        assert time.monotonic() - start < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _quiet_post(url: str, body: dict) -> None:
+    try:
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    except httpx.HTTPError:
+        pass
