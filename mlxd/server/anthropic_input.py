@@ -1,0 +1,187 @@
+"""Anthropic Messages request -> ``GenerationRequest`` (canonical OpenAI-like messages).
+
+* ``system`` (string or text blocks) becomes the first system message.
+* Assistant turns: ``thinking`` -> ``reasoning_content``, ``text`` -> ``content``,
+  ``tool_use`` -> ``tool_calls`` (arguments as JSON).
+* User turns: each ``tool_result`` becomes a ``tool`` message (``tool_call_id``),
+  text and image blocks become a user message. Image blocks become
+  ``image_url`` parts, which a text model refuses with a 400 and a vision
+  model can read.
+* A final assistant turn is a prefill: generation continues it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlxd.errors import InvalidRequest
+from mlxd.generation.params import GenerationRequest, ToolChoice, ToolSpec
+from mlxd.models.spec import ServingDefaults
+from mlxd.protocol.anthropic import (
+    ImageBlock,
+    Message,
+    MessagesInput,
+    MessagesRequest,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from mlxd.protocol.anthropic import ToolChoice as AnthropicToolChoice
+from mlxd.server.text_session import sampling_params
+from mlxd.server.tool_checks import check_tool_results, resolve_tool_choice, tool_spec_list
+
+_CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
+
+def image_part(block: ImageBlock) -> dict[str, Any]:
+    """An Anthropic image block as an OpenAI-style ``image_url`` part."""
+    src = block.source
+    if src.type == "base64":
+        url = f"data:{src.media_type or 'image/png'};base64,{src.data or ''}"
+    elif src.type == "url":
+        url = src.url or ""
+    else:
+        url = f"file:{src.file_id or ''}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _parts_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Plain text when every part is text (joined by newlines), else the parts."""
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def _tool_result_message(block: ToolResultBlock, names: dict[str, str]) -> dict[str, Any]:
+    content = block.content
+    if isinstance(content, list):
+        parts = [{"type": "text", "text": p.text} if isinstance(p, TextBlock) else image_part(p)
+                 for p in content]
+        text: str | list[dict[str, Any]] = _parts_content(parts)
+    else:
+        text = content or ""
+    message: dict[str, Any] = {"role": "tool", "tool_call_id": block.tool_use_id,
+                               "content": text}
+    if block.tool_use_id in names:
+        message["name"] = names[block.tool_use_id]
+    return message
+
+
+def _user_messages(message: Message, names: dict[str, str], where: str) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"role": "user", "content": message.content}]
+    out: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(message.content):
+        if isinstance(block, ToolResultBlock):
+            if parts:
+                out.append({"role": "user", "content": _parts_content(parts)})
+                parts = []
+            out.append(_tool_result_message(block, names))
+        elif isinstance(block, TextBlock):
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            parts.append(image_part(block))
+        else:
+            raise InvalidRequest(f"A user message cannot contain a '{block.type}' block.",
+                                 param=f"{where}.content[{j}]")
+    if parts:
+        out.append({"role": "user", "content": _parts_content(parts)})
+    return out
+
+
+def _assistant_message(message: Message, names: dict[str, str], where: str) -> dict[str, Any]:
+    if isinstance(message.content, str):
+        return {"role": "assistant", "content": message.content}
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(message.content):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            names[block.id] = block.name
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name,
+                                       "arguments": json.dumps(block.input, ensure_ascii=False)}})
+        elif isinstance(block, ThinkingBlock):
+            thinking.append(block.thinking)
+        elif block.type != "redacted_thinking":
+            raise InvalidRequest(f"An assistant message cannot contain a '{block.type}' block.",
+                                 param=f"{where}.content[{j}]")
+    out: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thinking:
+        out["reasoning_content"] = "".join(thinking)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def system_text(system: str | list[TextBlock] | None) -> str | None:
+    if system is None or isinstance(system, str):
+        return system or None
+    return "\n".join(b.text for b in system) or None
+
+
+def canonical_messages(req: MessagesInput) -> list[dict[str, Any]]:
+    """The conversation as canonical messages; tool results must answer earlier tool_use ids."""
+    out: list[dict[str, Any]] = []
+    system = system_text(req.system)
+    if system:
+        out.append({"role": "system", "content": system})
+    names: dict[str, str] = {}
+    for i, message in enumerate(req.messages):
+        where = f"messages[{i}]"
+        if message.role == "user":
+            out.extend(_user_messages(message, names, where))
+        else:
+            out.append(_assistant_message(message, names, where))
+    check_tool_results(out, param="messages", what="tool_result for tool_use id")
+    return out
+
+
+def tool_specs(req: MessagesInput) -> list[ToolSpec]:
+    return tool_spec_list(((t.name, t.description, t.input_schema) for t in req.tools or []),
+                          param="tools", schema_field="input_schema")
+
+
+def tool_choice(choice: AnthropicToolChoice | None, tools: list[ToolSpec]) -> ToolChoice:
+    """auto -> auto, any -> required, tool -> the named function, none -> none."""
+    if choice is None:
+        return resolve_tool_choice(None, None, tools)
+    return resolve_tool_choice(_CHOICE_MODES[choice.type], choice.name, tools)
+
+
+def template_kwargs(req: MessagesInput, defaults: ServingDefaults) -> dict[str, Any]:
+    """Registry defaults, then ``thinking`` as ``enable_thinking``, then explicit kwargs."""
+    kwargs = dict(defaults.chat_template_kwargs)
+    if req.thinking is not None:
+        kwargs["enable_thinking"] = req.thinking.type != "disabled"
+    kwargs.update(req.chat_template_kwargs or {})
+    return kwargs
+
+
+def is_prefill(messages: list[dict[str, Any]]) -> bool:
+    """A last assistant turn with text and no tool calls is continued, not answered."""
+    last = messages[-1]
+    return last["role"] == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
+
+
+def generation_request(req: MessagesInput, defaults: ServingDefaults) -> GenerationRequest:
+    """Everything but ``max_tokens``, which the route clamps to the context (see routes)."""
+    tools = tool_specs(req)
+    choice = tool_choice(req.tool_choice, tools)
+    messages = canonical_messages(req)
+    prefill = is_prefill(messages)
+    gen = GenerationRequest(messages=messages, tools=tools, tool_choice=choice,
+                            chat_template_kwargs=template_kwargs(req, defaults),
+                            add_generation_prompt=not prefill, continue_final_message=prefill)
+    if isinstance(req, MessagesRequest):
+        gen.sampling = sampling_params(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None,
+            seed=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+            logit_bias=None, defaults=defaults)
+        gen.stop = [s for s in req.stop_sequences or [] if s]
+    return gen

@@ -1,0 +1,217 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages adapter.
+
+Pipeline events become content blocks: ``ReasoningDelta`` -> ``thinking``,
+``TextDelta`` -> ``text``, ``ToolCall`` -> ``tool_use``. One ``ContentBlocks``
+assembler serves the streaming and the non-streaming response, so both carry
+the same blocks. Errors are rendered in Anthropic's shape by
+``server/errors.py`` (it switches on the ``/v1/messages`` path).
+
+``max_tokens`` is a cap: when it does not fit in the context left after the
+prompt, generation stops at the end of the context with
+``stop_reason: model_context_window_exceeded`` (clients such as Claude Code
+ask for more output tokens than a small local model's context holds).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from mlxd.errors import GenerationFailed
+from mlxd.generation.events import Event, Finish, ReasoningDelta, TextDelta, ToolCall, Usage
+from mlxd.protocol.anthropic import CountTokensRequest, MessagesRequest
+from mlxd.server.anthropic_input import generation_request
+from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.sse import SSE_HEADERS, sse_event
+from mlxd.server.text_session import TextSession, finish_of
+
+router = APIRouter()
+ENDPOINT = "/v1/messages"
+COUNT_ENDPOINT = "/v1/messages/count_tokens"
+
+SSE = tuple[str, dict[str, Any]]  # (event name, payload)
+
+
+class ContentBlocks:
+    """Assembles content blocks from events; ``feed``/``close`` return the stream events."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._open: str | None = None
+
+    def feed(self, event: Event) -> list[SSE]:
+        if isinstance(event, ReasoningDelta) and event.text:
+            return self._delta("thinking", event.text)
+        if isinstance(event, TextDelta) and event.text:
+            return self._delta("text", event.text)
+        if isinstance(event, ToolCall):
+            return self._tool_use(event)
+        return []
+
+    def close(self) -> list[SSE]:
+        """Close the open block, if any."""
+        if self._open is None:
+            return []
+        self._open = None
+        index = len(self.blocks) - 1
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def _start(self, block: dict[str, Any], empty: dict[str, Any]) -> SSE:
+        self.blocks.append(block)
+        self._open = block["type"]
+        return ("content_block_start", {"type": "content_block_start",
+                                        "index": len(self.blocks) - 1, "content_block": empty})
+
+    def _delta(self, kind: str, text: str) -> list[SSE]:
+        events: list[SSE] = []
+        if self._open != kind:
+            events += self.close()
+            if kind == "thinking":
+                events.append(self._start({"type": "thinking", "thinking": "", "signature": ""},
+                                          {"type": "thinking", "thinking": "", "signature": ""}))
+            else:
+                events.append(self._start({"type": "text", "text": ""},
+                                          {"type": "text", "text": ""}))
+        self.blocks[-1][kind] += text
+        delta = ({"type": "thinking_delta", "thinking": text} if kind == "thinking"
+                 else {"type": "text_delta", "text": text})
+        events.append(("content_block_delta", {"type": "content_block_delta",
+                                                "index": len(self.blocks) - 1, "delta": delta}))
+        return events
+
+    def _tool_use(self, call: ToolCall) -> list[SSE]:
+        events = self.close()
+        arguments = json.loads(call.arguments) if call.arguments.strip() else {}
+        if not isinstance(arguments, dict):
+            arguments = {"arguments": arguments}
+        events.append(self._start(
+            {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments},
+            {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}))
+        index = len(self.blocks) - 1
+        events.append(("content_block_delta", {
+            "type": "content_block_delta", "index": index,
+            "delta": {"type": "input_json_delta",
+                      "partial_json": json.dumps(arguments, ensure_ascii=False)}}))
+        events += self.close()
+        return events
+
+
+def stop_reason(finish: Finish, clamped: bool) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)`` for a finished sequence."""
+    if finish.reason == "tool_calls":
+        return "tool_use", None
+    if finish.stop_sequence:
+        return "stop_sequence", finish.stop_sequence
+    if finish.reason == "length":
+        return ("model_context_window_exceeded" if clamped else "max_tokens"), None
+    return "end_turn", None
+
+
+def usage_anthropic(usage: Usage) -> dict[str, int]:
+    """Anthropic counts cache reads apart from ``input_tokens``."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "output_tokens": usage.completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": usage.cached_tokens}
+
+
+def clamp_max_tokens(session: TextSession, max_tokens: int) -> bool:
+    """Generate at most ``max_tokens``, and no further than the context ends.
+
+    Returns True when the context, not ``max_tokens``, is the limit.
+    """
+    prepared = session.prepared
+    context = getattr(session.engine, "context_length", None)
+    if not context:
+        prepared.max_tokens = max_tokens
+        return False
+    room = context - len(prepared.tokens)
+    prepared.max_tokens = min(max_tokens, room)
+    return max_tokens > room
+
+
+def _message(mid: str, model: str, content: list[dict[str, Any]], reason: str | None,
+             sequence: str | None, usage: dict[str, int]) -> dict[str, Any]:
+    return {"id": mid, "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage}
+
+
+def _new_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+async def _respond(session: TextSession, request: Request, model: str,
+                   clamped: bool) -> JSONResponse:
+    try:
+        events = (await session.collect(request))[0]
+    finally:
+        await session.close()
+    finish = finish_of(events)
+    if finish.reason == "error":
+        raise GenerationFailed(finish.error or "generation failed")
+    blocks = ContentBlocks()
+    for event in events:
+        blocks.feed(event)
+    reason, sequence = stop_reason(finish, clamped)
+    return JSONResponse(_message(_new_id(), model, blocks.blocks, reason, sequence,
+                                 usage_anthropic(finish.usage)))
+
+
+async def _stream(session: TextSession, model: str, clamped: bool) -> AsyncIterator[str]:
+    """message_start, ping, content blocks, message_delta, message_stop."""
+    prompt = Usage(len(session.prepared.tokens), 0)
+    try:
+        yield sse_event("message_start", {"type": "message_start", "message": _message(
+            _new_id(), model, [], None, None, usage_anthropic(prompt))})
+        yield sse_event("ping", {"type": "ping"})
+        blocks = ContentBlocks()
+        async for _, event in session.events():
+            if not isinstance(event, Finish):
+                for name, payload in blocks.feed(event):
+                    yield sse_event(name, payload)
+                continue
+            if event.reason == "error":
+                yield sse_event("error", {"type": "error", "error": {
+                    "type": "api_error", "message": event.error or "generation failed"}})
+                return
+            for name, payload in blocks.close():
+                yield sse_event(name, payload)
+            reason, sequence = stop_reason(event, clamped)
+            yield sse_event("message_delta", {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage_anthropic(event.usage)})
+            yield sse_event("message_stop", {"type": "message_stop"})
+    finally:
+        await session.close()
+
+
+@router.post(ENDPOINT)
+async def create_message(req: MessagesRequest, request: Request,
+                         ctx: ServerContext = Depends(get_ctx)) -> Any:
+    """Create a message (streaming with ``stream: true``)."""
+    gen = generation_request(req, ctx.manager.get(req.model).entry.defaults)
+    session = await TextSession.open(ctx, req.model, gen, endpoint=ENDPOINT)
+    clamped = clamp_max_tokens(session, req.max_tokens)
+    if req.stream:
+        return StreamingResponse(_stream(session, req.model, clamped),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    return await _respond(session, request, req.model, clamped)
+
+
+@router.post(COUNT_ENDPOINT)
+async def count_tokens(req: CountTokensRequest,
+                       ctx: ServerContext = Depends(get_ctx)) -> dict[str, int]:
+    """Tokens of the prompt as the model's chat template renders it; nothing is generated."""
+    gen = generation_request(req, ctx.manager.get(req.model).entry.defaults)
+    session = await TextSession.open(ctx, req.model, gen, endpoint=COUNT_ENDPOINT)
+    try:
+        return {"input_tokens": len(session.prepared.tokens)}
+    finally:
+        await session.close()
