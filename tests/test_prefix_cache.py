@@ -1,0 +1,78 @@
+"""Prefix cache: reuse is exact, reported as cached_tokens, and survives unload/reload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from mlxd.config import ServerConfig
+from tests.helpers.server import running_server
+
+SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: be precise." for i in range(60))
+
+
+def chat(http: httpx.Client, messages: list[dict], **kw: object) -> dict:
+    r = http.post("/v1/chat/completions", json={"model": "m", "messages": messages,
+                                                "max_tokens": 16, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(resp: dict) -> int:
+    return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_cached_and_uncached_prefixes_give_the_same_tokens(tiny_model_b: Path,
+                                                           test_home: Path) -> None:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first"}]
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "second"}]
+    cold_cfg = ServerConfig(model=str(tiny_model_b), served_model_name="m", home=test_home,
+                            no_starter=True, prefix_cache_bytes=0)
+    with running_server(cold_cfg) as srv, srv.client() as http:
+        cold = [chat(http, msgs), chat(http, other)]
+        assert [cached(c) for c in cold] == [0, 0]
+    warm_cfg = cold_cfg.model_copy(update={"prefix_cache_bytes": 64 * 2**20})
+    with running_server(warm_cfg) as srv, srv.client() as http:
+        first = chat(http, msgs)
+        second = chat(http, other)  # shares the long system prompt
+        again = chat(http, msgs)  # exact repeat
+    assert cached(first) == 0
+    assert cached(second) > 0.8 * first["usage"]["prompt_tokens"]
+    assert cached(again) == again["usage"]["prompt_tokens"] - 1
+    for warm, reference in ((first, cold[0]), (second, cold[1]), (again, cold[0])):
+        assert warm["choices"][0]["message"]["content"] == \
+            reference["choices"][0]["message"]["content"]
+
+
+def test_multi_turn_conversation_reuses_previous_turns(tiny_model_b: Path,
+                                                        test_home: Path) -> None:
+    cfg = ServerConfig(model=str(tiny_model_b), served_model_name="m", home=test_home,
+                       no_starter=True)
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}]
+    with running_server(cfg) as srv, srv.client() as http:
+        previous_prompt = 0
+        for turn in range(5):
+            messages.append({"role": "user", "content": f"question number {turn}"})
+            resp = chat(http, messages)
+            if turn:
+                # Everything up to the previous answer came from the cache.
+                assert cached(resp) >= previous_prompt
+            previous_prompt = resp["usage"]["prompt_tokens"]
+            messages.append({"role": "assistant",
+                             "content": resp["choices"][0]["message"]["content"]})
+
+
+def test_prefix_cache_survives_unload_and_reload(tiny_model_b: Path, tmp_path: Path) -> None:
+    cfg = ServerConfig(model=str(tiny_model_b), served_model_name="m", home=tmp_path / "home",
+                       no_starter=True)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "persist"}]
+    with running_server(cfg) as srv, srv.client() as http:
+        before = chat(http, msgs)
+        assert http.post("/v1/models/unload", json={"model": "m"}).json()["unloaded"]
+        assert list((tmp_path / "home" / "prefix-cache" / "m").glob("*.safetensors"))
+        after = chat(http, msgs)
+        assert srv.ctx.manager.get("m").loads == 2
+    assert cached(before) == 0
+    assert cached(after) == after["usage"]["prompt_tokens"] - 1
+    assert after["choices"][0]["message"]["content"] == before["choices"][0]["message"]["content"]
