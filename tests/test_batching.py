@@ -70,7 +70,7 @@ def test_full_queue_answers_503_with_retry_after(tiny_model_b: Path, test_home: 
     with running_server(cfg) as srv, srv.client() as http:
         # Chat streams send their headers at once, so both are in the server now:
         # one running, one queued.
-        with http.stream("POST", "/v1/chat/completions", json=body) as first, \
+        with http.stream("POST", "/v1/chat/completions", json=body) as _first, \
                 http.stream("POST", "/v1/chat/completions", json=body) as second:
             r = http.post("/v1/chat/completions", json={**body, "stream": False})
             assert r.status_code == 503

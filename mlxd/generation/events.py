@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -67,4 +66,4 @@ class Finish:
     error: str | None = None
 
 
-Event = Union[TextDelta, ReasoningDelta, ToolCall, Finish]
+Event = TextDelta | ReasoningDelta | ToolCall | Finish
