@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 
@@ -13,6 +15,14 @@ def device_name() -> str:
 def preferred_float_dtype() -> str:
     """float32 on CPU (MLX's fp16/bf16 CPU kernels are slow); float16 on GPUs."""
     return "float16" if device_name() == "gpu" else "float32"
+
+
+def weights_nbytes(model: Any) -> int:
+    """Bytes of a model's parameters."""
+    from mlx.utils import tree_flatten
+
+    return sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())
+               if isinstance(v, mx.array))
 
 
 def active_memory_bytes() -> int:

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
@@ -150,11 +150,13 @@ class SchedulerBase:
             idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
             vals = logprobs[idx]
             order = mx.argsort(-vals)
-            for i, v in zip(idx[order].tolist(), vals[order].tolist()):
+            ids = cast(list[int], idx[order].tolist())
+            values = cast(list[float], vals[order].tolist())
+            for i, v in zip(ids, values):
                 text = self.tokenizer.decode([i])
                 top.append(TopLogprob(text, float(v), list(text.encode("utf-8"))))
         text = self.tokenizer.decode([token])
-        return TokenLogprob(token, text, float(logprobs[token].item()),
+        return TokenLogprob(token, text, float(cast(float, logprobs[token].item())),
                             list(text.encode("utf-8")), top)
 
     def _guarded_processors(self, seq: Sequence) -> list[Any]:
@@ -245,9 +247,10 @@ class BatchScheduler(SchedulerBase):
         self.steps += 1
         self._cache_finished_prompts(prompt_responses)
         for r in responses:
-            seq = self.running.get(r.uid)
-            if seq is None:
+            found = self.running.get(r.uid)
+            if found is None:
                 continue
+            seq = found
             lp = self._logprob(seq, r.token, r.logprobs)
             if r.finish_reason == "stop" and r.token in seq.stop_token_ids:
                 self._emit(seq, seq.pipeline.count_eos(lp))

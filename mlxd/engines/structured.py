@@ -8,7 +8,7 @@ batch have no processor and pay nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -60,7 +60,7 @@ class GrammarTokenizer:
                 state["base"] = n
             new = n - state["base"] - state["consumed"]
             if new > 0:
-                for tok in tokens[n - new:].tolist():
+                for tok in cast(list[int], tokens[n - new:].tolist()):
                     matcher.consume_token(int(tok))
                 state["consumed"] += new
             if matcher.is_error():

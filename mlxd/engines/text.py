@@ -13,23 +13,29 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
+from mlxd.engines.device import weights_nbytes
 from mlxd.engines.prefix_cache import PrefixCache
+from mlxd.engines.scheduler import (
+    BatchScheduler,
+    EventSink,
+    SchedulerBase,
+    Sequence,
+    SerialScheduler,
+)
 from mlxd.engines.structured import GrammarTokenizer
-from mlxd.engines.scheduler import BatchScheduler, EventSink, SchedulerBase, SerialScheduler, Sequence
 from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
-from mlxd.generation.detokenizer import IncrementalDetokenizer
 from mlxd.generation.chat import (
     template_messages,
     template_supports_tools,
     tools_system_prompt,
     with_tools_prompt,
 )
+from mlxd.generation.detokenizer import IncrementalDetokenizer
 from mlxd.generation.events import Event, Finish
 from mlxd.generation.params import GenerationRequest
 from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
@@ -130,13 +136,13 @@ class MLXLanguageModel:
         from mlx_lm.utils import load
 
         try:
-            model, tokenizer, config = load(
+            model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], load(
                 str(self.path), return_config=True,
-                trust_remote_code=self.options.trust_remote_code)
+                trust_remote_code=self.options.trust_remote_code))
         except Exception as e:
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self._weights_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        self._weights_bytes = weights_nbytes(model)
         ctx = context_length_of(config, tokenizer._tokenizer)
         if self.options.max_context:
             ctx = min(ctx, self.options.max_context)
@@ -386,7 +392,7 @@ class MLXLanguageModel:
             text = self.tokenizer.decode([tid])
             tops = []
             if top > 0:
-                idx = mx.argsort(-row)[:top].tolist()
+                idx = cast(list[int], mx.argsort(-row)[:top].tolist())
                 for i in idx:
                     t = self.tokenizer.decode([i])
                     tops.append(TopLogprob(t, float(row[i].item()), list(t.encode())))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 from mlxd.config import ServerConfig
 from mlxd.models.detection import DetectionError, detect, kind_from_name
@@ -82,7 +83,7 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
         raise CatalogError(f"model '{entry.name}': {e}") from None
     kind = detection.kind
     dtype_bytes = 4  # float32 on CPU; an over-estimate on GPUs (float16)
-    weights, model_cfg = 0, {}
+    weights, model_cfg = 0, cast(dict[str, Any], {})
     if path is not None:
         gguf = path if path.suffix == ".gguf" else next(iter(sorted(path.glob("*.gguf"))), None) \
             if path.is_dir() and not (path / "config.json").exists() else None
