@@ -59,7 +59,9 @@ class Workload:
         temperature: sampling temperature (0 = greedy).
         multi_turn: turns per conversation (1 = independent requests).
         timeout: seconds one request may take, end to end.
-        max_duration: seconds one level may take; no request starts after it.
+        max_duration: seconds after which a level starts no new request.
+        drain: seconds past ``max_duration`` that requests in flight may still take
+            (0: they are cut at ``max_duration`` and count as ``timeout``).
         extra_body: merged into every request body (e.g. ``{"ignore_eos": true}``).
     """
 
@@ -69,6 +71,7 @@ class Workload:
     multi_turn: int = 1
     timeout: float = 120.0
     max_duration: float = 600.0
+    drain: float = 0.0
     extra_body: dict[str, Any] | None = None
 
 
@@ -202,9 +205,14 @@ async def _stream_into(client: httpx.AsyncClient, target: Target, body: dict[str
 
 
 async def stream_request(client: httpx.AsyncClient, target: Target, body: dict[str, Any], *,
-                         index: int = 0, turn: int = 1, timeout: float = 120.0) -> RequestResult:
-    """Send one streamed request and time it; never raises for server or network trouble."""
-    result = RequestResult(index=index, turn=turn, sent_at=time.perf_counter())
+                         index: int = 0, turn: int = 1, timeout: float = 120.0,
+                         result: RequestResult | None = None) -> RequestResult:
+    """Send one streamed request and time it; never raises for server or network trouble.
+
+    Pass ``result`` to watch the request while it runs (its chunk times grow in place).
+    """
+    result = result or RequestResult(index=index, turn=turn)
+    result.sent_at = time.perf_counter()
     try:
         await asyncio.wait_for(_stream_into(client, target, body, result), max(0.001, timeout))
     except asyncio.TimeoutError:
@@ -241,18 +249,20 @@ class LevelResult:
 
 
 async def _conversation(client: httpx.AsyncClient, target: Target, workload: Workload,
-                        index: int, turns: int, deadline: float,
+                        index: int, turns: int, stop_at: float,
                         on_result: Callable[[RequestResult], None]) -> list[RequestResult]:
-    """Run conversation ``index`` for ``turns`` turns (1 = a single request)."""
+    """Run conversation ``index`` for ``turns`` turns (1 = a single request); no turn
+    starts after ``stop_at`` and none runs past ``stop_at + workload.drain``."""
     out: list[RequestResult] = []
     messages = first_messages(workload.spec, index)
     for turn in range(1, turns + 1):
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
+        now = time.perf_counter()
+        if now >= stop_at:
             break
         body = request_body(target, workload, messages)
         result = await stream_request(client, target, body, index=index, turn=turn,
-                                      timeout=min(workload.timeout, remaining))
+                                      timeout=min(workload.timeout,
+                                                  stop_at + workload.drain - now))
         out.append(result)
         on_result(result)
         if not result.ok:
@@ -272,14 +282,14 @@ async def run_level(target: Target, workload: Workload, concurrency: int, reques
     next_job = iter(range(first_index, first_index + jobs))
     results: list[RequestResult] = []
     started = time.perf_counter()
-    deadline = started + workload.max_duration
+    stop_at = started + workload.max_duration
 
     async def worker() -> None:
         for index in next_job:
-            if time.perf_counter() >= deadline:
+            if time.perf_counter() >= stop_at:
                 return
             results.extend(await _conversation(client, target, workload, index, turns,
-                                               deadline, callback))
+                                               stop_at, callback))
 
     async with make_client(concurrency, workload.timeout) as client:
         tasks = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]

@@ -1,0 +1,250 @@
+"""``make bench`` / ``python -m bench.run [--quick]``: mlxd vs mlx_lm.server vs vllm-mlx vs raw
+mlx-lm, in one run, on the same SmolLM2-135M float32 folder made by mlxd's converter.
+
+Every contender runs as a subprocess on a free 127.0.0.1 port with the same
+environment (the same BLAS: OpenBLAS preloaded when it is installed, see
+``mlxd/blas.py``), gets the same workloads, and is killed at the end. Results go
+to ``bench/results/<tag>.json`` and ``<tag>.md`` (tag ``latest``, or ``quick``
+with ``--quick``); server logs to ``bench/results/logs/``. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from bench.model import smollm2_float32
+from bench.servers import (
+    ServerProcess,
+    ServerSpec,
+    free_port,
+    mlx_lm_spec,
+    mlxd_spec,
+    rss_bytes,
+    vllm_mlx_spec,
+)
+from mlxd.benchmark.loadgen import Target
+from mlxd.benchmark.report import plot_levels, write_json
+
+REPO = Path(__file__).resolve().parent.parent
+CONTENDERS = ("mlxd", "mlx_lm.server", "vllm-mlx")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How big each workload is (full run vs ``--quick``)."""
+
+    levels: tuple[int, ...] = (1, 8, 16)
+    requests_per_stream: int = 2
+    min_requests: int = 3
+    prompt_tokens: int = 128
+    max_tokens: int = 64
+    level_seconds: float = 300.0
+    prefix_tokens: int = 1500
+    prefix_repeats: int = 3
+    turns: int = 5
+    itl_streams: int = 8
+    itl_tokens: int = 128
+    long_tokens: int = 2000
+    soak_streams: int = 64
+    soak_seconds: float = 120.0
+    soak_tokens: int = 32
+
+    def requests(self, concurrency: int) -> int:
+        return max(self.requests_per_stream * concurrency, self.min_requests)
+
+
+FULL = Sizes()
+QUICK = Sizes(levels=(1, 8), requests_per_stream=1, min_requests=2, max_tokens=32,
+              level_seconds=120.0, prefix_repeats=1, turns=3, itl_tokens=48, soak_seconds=15.0,
+              soak_tokens=16)
+
+
+def subprocess_env(mode: str) -> tuple[dict[str, str], str]:
+    """The environment every contender gets, and a description of its BLAS."""
+    from mlxd.blas import plan_blas
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    plan = plan_blas(mode, env)
+    if plan.action == "error":
+        raise SystemExit(f"error: {plan.reason}")
+    if plan.action == "preload" and plan.library:
+        env["LD_PRELOAD"] = " ".join([str(plan.library), *env.get("LD_PRELOAD", "").split()])
+    if plan.library:
+        return env, f"OpenBLAS preloaded ({plan.library})"
+    return env, "reference BLAS of the mlx-cpu wheel (no OpenBLAS)"
+
+
+def environment(folder: Path, blas: str) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions: dict[str, str | None] = {}
+    for dist in ("mlx", "mlx-lm", "mlxd"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "blas": blas, "model": folder.name,
+            "python": platform.python_version(), "versions": versions}
+
+
+def run_raw(folder: Path, sizes: Sizes, env: dict[str, str], log_dir: Path) -> dict[str, Any]:
+    """``python -m bench.raw`` in its own process (same env as the servers)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "raw.json"
+        cmd = [sys.executable, "-m", "bench.raw", str(folder),
+               "--batches", ",".join(map(str, sizes.levels)),
+               "--prompt-tokens", str(sizes.prompt_tokens), "--max-tokens", str(sizes.max_tokens),
+               "--json", str(out)]
+        with (log_dir / "raw.log").open("wb") as log:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=1800, check=False)
+        if proc.returncode != 0:
+            return {"error": f"bench.raw exited with {proc.returncode} (see logs/raw.log)"}
+        return dict(json.loads(out.read_text()))
+
+
+async def _guarded(coro: Any) -> Any:
+    """A scenario's result, or ``{"error": ...}`` so one failure does not end the run."""
+    try:
+        return await coro
+    except Exception as e:  # the run goes on; the report shows what failed
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+async def server_scenarios(target: Target, srv: ServerProcess, sizes: Sizes,
+                           soak: bool) -> dict[str, Any]:
+    """Every workload against one running server, in order."""
+    from bench import scenarios
+
+    out: dict[str, Any] = {"rss_loaded_mb": round(rss_bytes(srv.pid) / 2**20, 1),
+                           "started_in_s": round(srv.started_in_s, 1)}
+    out["throughput"] = await scenarios.throughput(
+        target, list(sizes.levels), sizes.requests, sizes.prompt_tokens, sizes.max_tokens,
+        sizes.level_seconds)
+    out["prefix_ttft"] = await _guarded(scenarios.prefix_ttft(
+        target, sizes.prefix_tokens, sizes.prefix_repeats))
+    out["conversation"] = await _guarded(scenarios.conversation(
+        target, sizes.turns, 256, sizes.max_tokens))
+    out["itl_long_prompt"] = await _guarded(scenarios.itl_under_long_prompt(
+        target, sizes.itl_streams, sizes.itl_tokens, sizes.long_tokens))
+    if soak:
+        out["soak"] = await _guarded(scenarios.soak(
+            target, lambda: rss_bytes(srv.pid), sizes.soak_streams, sizes.soak_seconds,
+            sizes.soak_tokens))
+    return out
+
+
+def server_spec(name: str, folder: Path, port: int, home: Path, blas: str) -> ServerSpec:
+    if name == "mlxd":
+        return mlxd_spec(folder, port, home, blas)
+    if name == "mlx_lm.server":
+        return mlx_lm_spec(folder, port)
+    from bench.peers import ensure_vllm_mlx
+
+    return vllm_mlx_spec(ensure_vllm_mlx(), folder, port)
+
+
+def run_server(name: str, folder: Path, args: argparse.Namespace, sizes: Sizes,
+               env: dict[str, str], log_dir: Path) -> dict[str, Any]:
+    """Start one contender, run every workload, always stop it."""
+    print(f"--- {name}", flush=True)
+    port = free_port()
+    try:
+        spec = server_spec(name, folder, port, args.home, "off" if args.blas == "off" else "auto")
+        with ServerProcess(spec, port, env, log_dir / f"{name}.log") as srv:
+            target = Target(url=srv.url, model=spec.model)
+            soak = name == "mlxd" or args.soak_all
+            return asyncio.run(server_scenarios(target, srv, sizes, soak and not args.no_soak))
+    except Exception as e:  # a contender that cannot start is reported, the others still run
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def run_embeddings(quick: bool) -> dict[str, Any]:
+    """``bench/embeddings.py`` (another benchmark) when it exists: ``main(argv) -> int``."""
+    try:
+        from bench import embeddings  # type: ignore[attr-defined]
+    except ImportError:
+        return {"skipped": "bench/embeddings.py is not there"}
+    return {"exit_code": embeddings.main(["--quick"] if quick else [])}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from mlxd.config import default_home
+
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="short version (a few minutes)")
+    p.add_argument("--servers", default=",".join(CONTENDERS),
+                   help=f"comma-separated subset of {', '.join(CONTENDERS)}")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw mlx-lm ceiling")
+    p.add_argument("--no-soak", action="store_true", help="skip the 64-stream soak")
+    p.add_argument("--soak-all", action="store_true", help="soak the peers too (default mlxd)")
+    p.add_argument("--blas", choices=["auto", "openblas", "off"], default="auto",
+                   help="BLAS for every contender (default: OpenBLAS when installed)")
+    p.add_argument("--embeddings", action="store_true", help="also run bench/embeddings.py")
+    p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--tag", default=None, help="result file names (default latest / quick)")
+    p.add_argument("--plot", action="store_true", help="also write <tag>.png")
+    args = p.parse_args(argv)
+    unknown = set(args.servers.split(",")) - set(CONTENDERS)
+    if unknown:
+        p.error(f"unknown contenders: {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.summary import markdown
+
+    args = parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    tag = args.tag or ("quick" if args.quick else "latest")
+    log_dir = args.out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    folder = smollm2_float32(args.home)
+    env, blas = subprocess_env(args.blas)
+    results: dict[str, Any] = {
+        "mode": "quick" if args.quick else "full",
+        "started_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "environment": environment(folder, blas), "sizes": asdict(sizes),
+        "workload": f"{sizes.prompt_tokens}-token prompts, {sizes.max_tokens} output tokens, "
+                    "temperature 0, streamed", "servers": {}}
+    print(f"model {folder}\nBLAS: {blas}", flush=True)
+    if not args.no_raw:
+        print("--- raw mlx-lm", flush=True)
+        results["raw"] = run_raw(folder, sizes, env, log_dir)
+    for name in args.servers.split(","):
+        results["servers"][name] = run_server(name, folder, args, sizes, env, log_dir)
+    if args.embeddings:
+        results["embeddings"] = run_embeddings(args.quick)
+    write_json(args.out / f"{tag}.json", results)
+    report = markdown(results)
+    (args.out / f"{tag}.md").write_text(report)
+    if args.plot:
+        plot_levels(args.out / f"{tag}.png", {n: s.get("throughput", [])
+                                             for n, s in results["servers"].items()})
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

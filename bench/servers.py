@@ -1,0 +1,175 @@
+"""Start each contender as a subprocess on a free 127.0.0.1 port, wait (with a deadline)
+until it answers, read its memory, and always kill it (its whole process group) at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+SERVED_NAME = "smollm2"
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not answer before its deadline (the message has its log tail)."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one contender and what model name its requests carry."""
+
+    name: str
+    argv: tuple[str, ...]
+    model: str
+    ready_path: str = "/v1/models"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mlxd_spec(folder: Path, port: int, home: Path, blas: str) -> ServerSpec:
+    """mlxd with its defaults (continuous batching, prefix cache) on ``folder``."""
+    return ServerSpec("mlxd", (
+        sys.executable, "-m", "mlxd", "serve", str(folder), "--host", "127.0.0.1",
+        "--port", str(port), "--served-model-name", SERVED_NAME, "--no-starter",
+        "--home", str(home), "--log-level", "warning", "--blas", blas), SERVED_NAME)
+
+
+def mlx_lm_spec(folder: Path, port: int) -> ServerSpec:
+    """mlx-lm's own server (same venv as mlxd); it calls its one model ``default_model``."""
+    return ServerSpec("mlx_lm.server", (
+        sys.executable, "-m", "mlx_lm.server", "--model", str(folder), "--host", "127.0.0.1",
+        "--port", str(port), "--log-level", "WARNING"), "default_model", "/health")
+
+
+def vllm_mlx_spec(exe: Path, folder: Path, port: int) -> ServerSpec:
+    """vllm-mlx from its own venv, continuous batching on."""
+    return ServerSpec("vllm-mlx", (
+        str(exe), "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
+        "--continuous-batching", "--served-model-name", SERVED_NAME), SERVED_NAME, "/health")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants (``VmRSS`` in /proc)."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+def descendants(pid: int) -> list[int]:
+    """Child processes of ``pid``, recursively (from /proc/*/stat)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out.extend(children)
+        todo.extend(children)
+    return out
+
+
+class ServerProcess:
+    """``with ServerProcess(spec, port, env, log) as srv:`` a started, answering server."""
+
+    def __init__(self, spec: ServerSpec, port: int, env: dict[str, str], log_path: Path,
+                 start_timeout: float = 300.0) -> None:
+        self.spec = spec
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = env
+        self.log_path = log_path
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_in_s = 0.0
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def __enter__(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        start = time.monotonic()
+        self.proc = subprocess.Popen(self.spec.argv, env=self.env, stdout=log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        log.close()
+        try:
+            self._wait_ready(start + self.start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.started_in_s = time.monotonic() - start
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None
+        with httpx.Client(trust_env=False, timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise ServerStartError(f"{self.spec.name} exited with {self.proc.returncode}:"
+                                           f"\n{self.log_tail()}")
+                try:
+                    if client.get(self.url + self.spec.ready_path).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise ServerStartError(f"{self.spec.name} did not answer within {self.start_timeout:.0f}"
+                               f" s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``grace`` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group is ours alone
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # whatever the server itself started is in the group too
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
