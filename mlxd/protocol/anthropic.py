@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
 class TextBlock(_Lenient):
@@ -106,8 +106,20 @@ class ToolChoice(_Lenient):
 
 
 class Thinking(_Lenient):
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = Field(None, ge=0)
+
+
+class OutputFormat(_Lenient):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Lenient):
+    """Structured output (``format``); ``effort`` is accepted and ignored."""
+
+    format: OutputFormat | None = None
+    effort: str | None = None
 
 
 class MessagesInput(_Lenient):
@@ -123,12 +135,13 @@ class MessagesInput(_Lenient):
 
 
 class MessagesRequest(MessagesInput):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=0)  # 0: check and count the prompt, generate nothing
     stop_sequences: list[str] | None = Field(None, max_length=16)
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
     stream: bool = False
 
 

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from mlxd.errors import InvalidRequest
-from mlxd.generation.params import GenerationRequest, ToolChoice, ToolSpec
+from mlxd.generation.params import Constraint, GenerationRequest, ToolChoice, ToolSpec
 from mlxd.models.spec import ServingDefaults
 from mlxd.protocol.anthropic import (
     ImageBlock,
@@ -30,7 +30,12 @@ from mlxd.protocol.anthropic import (
 )
 from mlxd.protocol.anthropic import ToolChoice as AnthropicToolChoice
 from mlxd.server.text_session import sampling_params
-from mlxd.server.tool_checks import check_tool_results, resolve_tool_choice, tool_spec_list
+from mlxd.server.tool_checks import (
+    check_json_schema,
+    check_tool_results,
+    resolve_tool_choice,
+    tool_spec_list,
+)
 
 _CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
@@ -154,6 +159,15 @@ def tool_choice(choice: AnthropicToolChoice | None, tools: list[ToolSpec]) -> To
     return resolve_tool_choice(_CHOICE_MODES[choice.type], choice.name, tools)
 
 
+def constraint(req: MessagesRequest) -> Constraint | None:
+    """``output_config.format`` (a JSON schema) as a structured-output constraint."""
+    fmt = req.output_config.format if req.output_config else None
+    if fmt is None:
+        return None
+    return Constraint("json_schema",
+                      check_json_schema(fmt.schema_, param="output_config.format.schema"))
+
+
 def template_kwargs(req: MessagesInput, defaults: ServingDefaults) -> dict[str, Any]:
     """Registry defaults, then ``thinking`` as ``enable_thinking``, then explicit kwargs."""
     kwargs = dict(defaults.chat_template_kwargs)
@@ -184,4 +198,5 @@ def generation_request(req: MessagesInput, defaults: ServingDefaults) -> Generat
             seed=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
             logit_bias=None, defaults=defaults)
         gen.stop = [s for s in req.stop_sequences or [] if s]
+        gen.constraint = constraint(req)
     return gen

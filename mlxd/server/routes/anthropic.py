@@ -146,10 +146,22 @@ def _new_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-async def _respond(session: TextSession, request: Request, model: str,
+async def _nothing(session: TextSession) -> AsyncIterator[tuple[int, Event]]:
+    """``max_tokens: 0``: the prompt was checked and counted; nothing is generated."""
+    yield 0, Finish("length", Usage(len(session.prepared.tokens), 0))
+
+
+def _events(session: TextSession, max_tokens: int) -> AsyncIterator[tuple[int, Event]]:
+    return session.events() if max_tokens > 0 else _nothing(session)
+
+
+async def _respond(session: TextSession, request: Request, req: MessagesRequest,
                    clamped: bool) -> JSONResponse:
     try:
-        events = (await session.collect(request))[0]
+        if req.max_tokens > 0:
+            events = (await session.collect(request))[0]
+        else:
+            events = [event async for _, event in _nothing(session)]
     finally:
         await session.close()
     finish = finish_of(events)
@@ -159,19 +171,20 @@ async def _respond(session: TextSession, request: Request, model: str,
     for event in events:
         blocks.feed(event)
     reason, sequence = stop_reason(finish, clamped)
-    return JSONResponse(_message(_new_id(), model, blocks.blocks, reason, sequence,
+    return JSONResponse(_message(_new_id(), req.model, blocks.blocks, reason, sequence,
                                  usage_anthropic(finish.usage)))
 
 
-async def _stream(session: TextSession, model: str, clamped: bool) -> AsyncIterator[str]:
+async def _stream(session: TextSession, req: MessagesRequest,
+                  clamped: bool) -> AsyncIterator[str]:
     """message_start, ping, content blocks, message_delta, message_stop."""
     prompt = Usage(len(session.prepared.tokens), 0)
     try:
         yield sse_event("message_start", {"type": "message_start", "message": _message(
-            _new_id(), model, [], None, None, usage_anthropic(prompt))})
+            _new_id(), req.model, [], None, None, usage_anthropic(prompt))})
         yield sse_event("ping", {"type": "ping"})
         blocks = ContentBlocks()
-        async for _, event in session.events():
+        async for _, event in _events(session, req.max_tokens):
             if not isinstance(event, Finish):
                 for name, payload in blocks.feed(event):
                     yield sse_event(name, payload)
@@ -200,9 +213,9 @@ async def create_message(req: MessagesRequest, request: Request,
     session = await TextSession.open(ctx, req.model, gen, endpoint=ENDPOINT)
     clamped = clamp_max_tokens(session, req.max_tokens)
     if req.stream:
-        return StreamingResponse(_stream(session, req.model, clamped),
+        return StreamingResponse(_stream(session, req, clamped),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    return await _respond(session, request, req.model, clamped)
+    return await _respond(session, request, req, clamped)
 
 
 @router.post(COUNT_ENDPOINT)
