@@ -187,6 +187,18 @@ def run_embeddings(quick: bool) -> dict[str, Any]:
     return {"exit_code": embeddings.main(["--quick"] if quick else [])}
 
 
+def plot_series(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Throughput levels per contender, the raw BatchGenerator as one more line."""
+    series = {n: s.get("throughput", []) for n, s in results["servers"].items()
+              if not s.get("error")}
+    raw = (results.get("raw") or {}).get("batch_generate", [])
+    if raw:
+        series["raw BatchGenerator"] = [{"concurrency": r["batch"],
+                                         "aggregate_tok_s": r["e2e_tok_s"],
+                                         "ttft_s": {"p50": None}} for r in raw]
+    return series
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from mlxd.config import default_home
 
@@ -240,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     report = markdown(results)
     (args.out / f"{tag}.md").write_text(report)
     if args.plot:
-        plot_levels(args.out / f"{tag}.png", {n: s.get("throughput", [])
-                                             for n, s in results["servers"].items()})
+        plot_levels(args.out / f"{tag}.png", plot_series(results))
     print(report)
     return 0
 

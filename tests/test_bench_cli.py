@@ -102,3 +102,11 @@ def test_prompt_length_follows_prompt_tokens() -> None:
     prefix = spec.shared_prefix()
     assert a.startswith(prefix) and b.startswith(prefix) and a != b
     assert 150 <= len(a.split()) <= 200
+
+
+def test_plot_is_written_as_png(bench_server: RunningServer, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert bench(bench_server, "--concurrency", "1,2", "--requests", "2", "--warmup", "0",
+                 "--plot", str(png)) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

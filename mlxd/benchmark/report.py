@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,7 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def plot_levels(path: Path, series: dict[str, Sequence[dict[str, Any]]]) -> None:
+def plot_levels(path: Path, series: Mapping[str, Sequence[dict[str, Any]]]) -> None:
     """A PNG with output tok/s and TTFT p50 against concurrency, one line per series.
 
     Needs matplotlib (``pip install 'mlxd[bench]'``).
@@ -152,8 +152,10 @@ def plot_levels(path: Path, series: dict[str, Sequence[dict[str, Any]]]) -> None
     for name, levels in series.items():
         xs = [lv["concurrency"] for lv in levels]
         ax_tps.plot(xs, [lv["aggregate_tok_s"] or 0 for lv in levels], marker="o", label=name)
-        ax_ttft.plot(xs, [(lv["ttft_s"]["p50"] or 0) * 1000 for lv in levels], marker="o",
-                     label=name)
+        ttft = [(lv["concurrency"], lv["ttft_s"]["p50"] * 1000) for lv in levels
+                if lv["ttft_s"]["p50"] is not None]
+        if ttft:
+            ax_ttft.plot(*zip(*ttft, strict=True), marker="o", label=name)
     ax_tps.set(xlabel="concurrent streams", ylabel="output tokens/s", title="throughput")
     ax_ttft.set(xlabel="concurrent streams", ylabel="ms", title="time to first token (p50)")
     for ax in (ax_tps, ax_ttft):
