@@ -52,8 +52,8 @@ fine certain fly fall lead cry dark machine note wait plan figure star box noun 
 WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
 
 # Tokens the chat template and the closing instruction add to a prompt (about
-# 10-30 depending on the template; SmolLM2's default system prompt is ~20).
-INSTRUCTION_TOKENS = 24
+# 10-50 depending on the template; SmolLM2 adds ~40 with its default system prompt).
+INSTRUCTION_TOKENS = 40
 INSTRUCTION = "\n\nWrite a long story that uses the words above."
 FOLLOW_UP = "Thank you. Now continue the story and use these words too:"
 
