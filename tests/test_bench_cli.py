@@ -110,3 +110,13 @@ def test_plot_is_written_as_png(bench_server: RunningServer, tmp_path: Path) -> 
     assert bench(bench_server, "--concurrency", "1,2", "--requests", "2", "--warmup", "0",
                  "--plot", str(png)) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_generator_never_imports_mlx() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, mlxd.cli.bench, mlxd.benchmark.loadgen, mlxd.benchmark.report; "
+            "sys.exit(1 if any(m == 'mlx' or m.startswith(('mlx.', 'mlx_')) for m in sys.modules)"
+            " else 0)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
