@@ -14,8 +14,6 @@ GGUF vocabulary. Facts that matter:
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -197,6 +195,31 @@ def convert_tensors(g: GGUFModel, dtype: str, *, permute: bool = True,
     return out
 
 
+def _add_bos_eos(g: GGUFModel, backend: Any, tok: Callable[[str], str | None]) -> None:
+    """Honour ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` (Gemma needs its BOS)."""
+    from tokenizers import processors
+
+    marks = []
+    for key, id_key in (("add_bos_token", "bos_token_id"), ("add_eos_token", "eos_token_id")):
+        text = tok(id_key)
+        if g.get(f"tokenizer.ggml.{key}") and text is not None:
+            marks.append((key, text, int(g.get(f"tokenizer.ggml.{id_key}"))))
+    if not marks:
+        return
+    bos = [f"{t}:0" for k, t, _ in marks if k == "add_bos_token"]
+    eos = [f"{t}:0" for k, t, _ in marks if k == "add_eos_token"]
+    template = processors.TemplateProcessing(
+        single=" ".join([*bos, "$A:0", *eos]),
+        pair=" ".join([*bos, "$A:0", *eos, *[m.replace(":0", ":1") for m in bos], "$B:1",
+                       *[m.replace(":0", ":1") for m in eos]]),
+        special_tokens=sorted({(t, i) for _, t, i in marks}))
+    current = backend.post_processor
+    if current is None or isinstance(current, processors.TemplateProcessing):
+        backend.post_processor = template
+    else:  # e.g. ByteLevel offsets trimming: keep it, then add the special tokens
+        backend.post_processor = processors.Sequence([current, template])
+
+
 def build_tokenizer(g: GGUFModel) -> Any:
     """A ``PreTrainedTokenizerFast`` rebuilt from the GGUF vocabulary (no torch)."""
     from tokenizers import AddedToken, pre_tokenizers
@@ -228,6 +251,7 @@ def build_tokenizer(g: GGUFModel) -> Any:
         idx = g.get(f"tokenizer.ggml.{key}")
         return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
+    _add_bos_eos(g, backend, tok)
     kwargs: dict[str, Any] = dict(tokenizer_object=backend, bos_token=tok("bos_token_id"),
                                   eos_token=tok("eos_token_id"), unk_token=tok("unknown_token_id"),
                                   pad_token=tok("padding_token_id"))
@@ -239,14 +263,32 @@ def build_tokenizer(g: GGUFModel) -> Any:
     return fast
 
 
-def convert_gguf(src: Path, out: Path, *, dtype: str = "float32", permute: bool = True,
-                 progress: ProgressFn | None = None) -> ConversionResult:
-    """Convert ``src`` (a GGUF file) into an MLX folder at ``out`` (atomically)."""
+def write_mlx_folder(g: GGUFModel, folder: Path, *, dtype: str = "float32",
+                     permute: bool = True, progress: ProgressFn | None = None) -> int:
+    """Write weights, config, generation config and tokenizer of ``g`` into ``folder``.
+
+    Returns the parameter count.
+    """
     from safetensors.numpy import save_file
 
-    t0 = time.monotonic()
-    if dtype not in ("float32", "float16"):
-        raise ConversionError(f"dtype {dtype!r} not supported for GGUF conversion; use float32 or float16")
+    weights = convert_tensors(g, dtype, permute=permute, progress=progress)
+    config = build_config(g, "lm_head.weight" in weights, dtype)
+    tokenizer = build_tokenizer(g)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    eos = [i for i in [config.get("eos_token_id")] if i is not None]
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": eos[0] if len(eos) == 1 else eos,
+         "bos_token_id": config.get("bos_token_id")}, indent=2))
+    tokenizer.save_pretrained(str(folder))
+    for p in folder.iterdir():
+        if p.is_file():
+            p.chmod(0o644)
+    return int(sum(w.size for w in weights.values()))
+
+
+def open_gguf(src: Path) -> GGUFModel:
+    """Open a GGUF file whose architecture has a converter (clear errors otherwise)."""
     src = Path(src)
     if not src.is_file():
         raise ConversionError(f"GGUF file not found: {src}")
@@ -254,28 +296,24 @@ def convert_gguf(src: Path, out: Path, *, dtype: str = "float32", permute: bool 
     if g.arch not in SUPPORTED_ARCHITECTURES:
         raise ConversionError(f"GGUF architecture '{g.arch or '?'}' is not supported; supported: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    out = Path(out)
-    for stale in out.parent.glob(f".{out.name}.partial-*") if out.parent.exists() else ():
-        shutil.rmtree(stale, ignore_errors=True)  # left by a killed conversion
-    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    staging.mkdir(parents=True)
-    try:
-        weights = convert_tensors(g, dtype, permute=permute, progress=progress)
-        config = build_config(g, "lm_head.weight" in weights, dtype)
-        tokenizer = build_tokenizer(g)
-        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "mlx"})
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        eos = [i for i in [config.get("eos_token_id")] if i is not None]
-        (staging / "generation_config.json").write_text(json.dumps(
-            {"eos_token_id": eos[0] if len(eos) == 1 else eos,
-             "bos_token_id": config.get("bos_token_id")}, indent=2))
-        tokenizer.save_pretrained(str(staging))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    params = int(sum(w.size for w in weights.values()))
-    return ConversionResult(out, g.arch, len(weights), params, dtype, time.monotonic() - t0,
-                            g.quantization_summary())
+    return g
+
+
+def convert_gguf(src: Path, out: Path, *, dtype: str = "float32", permute: bool = True,
+                 progress: ProgressFn | None = None) -> ConversionResult:
+    """Convert ``src`` (a GGUF file) into an MLX folder at ``out`` (atomically).
+
+    ``permute=False`` skips undoing llama.cpp's Q/K row permutation: the result
+    loads but talks nonsense (used to prove that qualification catches it).
+    """
+    from mlxd.workflow.staging import staged_folder
+
+    t0 = time.monotonic()
+    if dtype not in ("float32", "float16"):
+        raise ConversionError(f"dtype {dtype!r} not supported for GGUF conversion; use float32 "
+                              "or float16 (other dtypes and quantisation: `mlxd model convert`)")
+    g = open_gguf(src)
+    with staged_folder(Path(out), force=True) as staging:
+        params = write_mlx_folder(g, staging, dtype=dtype, permute=permute, progress=progress)
+    return ConversionResult(Path(out), g.arch, len(g.tensors), params, dtype,
+                            time.monotonic() - t0, g.quantization_summary())

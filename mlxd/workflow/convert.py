@@ -1,0 +1,237 @@
+"""``mlxd model convert SOURCE``: to MLX format, with the recipe in ``conversion.json``.
+
+Converters: GGUF (llama, qwen2, qwen3, gemma3) -> MLX through our dequantiser
+(``gguf_convert``); Hugging Face safetensors -> MLX through mlx-lm (text) or
+mlx-vlm (vision) with dtype and quantisation; CTranslate2 Whisper ->
+mlx-whisper (``ct2_whisper``). A GGUF conversion to bfloat16 or with
+``--quantize`` runs in two stages: GGUF -> float32 MLX, then mlx-lm. The output
+is built in a staging folder and moved into place in one rename, with its
+manifest inside, so a killed conversion leaves nothing under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxd.workflow.inspect import inspect_path
+from mlxd.workflow.manifest import (
+    ProgressFn,
+    finish_manifest,
+    inventory,
+    link_to,
+    manifest_path,
+    new_manifest,
+    write_manifest,
+)
+from mlxd.workflow.sources import WorkflowError, local_path, parse_source, slug
+from mlxd.workflow.staging import check_output, scratch_path, staged_folder
+
+SUPPORTED_CONVERSIONS = (
+    "GGUF (llama, qwen2, qwen3, gemma3) -> MLX",
+    "Hugging Face safetensors, text (mlx-lm) or vision (mlx-vlm) -> MLX, with dtype and "
+    "--quantize",
+    "MLX -> re-quantised MLX (mlx-lm, --quantize)",
+    "CTranslate2 Whisper -> mlx-whisper",
+)
+DTYPES = ("float32", "float16", "bfloat16")
+Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+
+
+def unsupported_conversion(what: str) -> WorkflowError:
+    """The error for an input no converter takes, naming the supported ones."""
+    return WorkflowError(f"cannot convert {what}. Supported conversions: "
+                         + "; ".join(SUPPORTED_CONVERSIONS))
+
+
+@dataclass
+class Quantization:
+    bits: int | None = None
+    group_size: int | None = None
+    mode: str = "affine"
+
+
+@dataclass
+class ConversionPlan:
+    """What ``convert`` will do; printed by ``--dry-run`` and recorded in the manifest."""
+
+    source: str
+    input: Path
+    input_format: str
+    kind: str | None
+    architecture: str | None
+    converter: str
+    output: Path
+    dtype: str
+    quantize: Quantization | None = None
+    trust_remote_code: bool = False
+    input_manifest: Path | None = None
+    steps: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(input=str(self.input), output=str(self.output),
+                    input_manifest=str(self.input_manifest) if self.input_manifest else None)
+        return data
+
+
+def _gguf_input(path: Path) -> Path:
+    if path.is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) != 1:
+        raise WorkflowError(f"{path} holds {len(ggufs)} GGUF files; name the one to convert")
+    return ggufs[0]
+
+
+def _choose_converter(report: dict[str, Any], quantize: Quantization | None) -> str:
+    fmt, kind = report.get("format"), report.get("kind")
+    what = f"{report.get('path')} ({fmt}, kind {kind or 'unknown'})"
+    if fmt == "gguf":
+        if report.get("converter") != "gguf":
+            raise unsupported_conversion(f"{what}: {report.get('conversion_note')}")
+        return "gguf"
+    if fmt == "ctranslate2":
+        return "ct2-whisper"
+    if fmt in ("safetensors", "mlx") and kind in ("text", "vision"):
+        if fmt == "mlx" and quantize is None and report.get("quantization"):
+            raise WorkflowError(f"{what} is already quantised MLX; pass --quantize to "
+                                "re-quantise")
+        return "mlx-vlm" if kind == "vision" else "mlx-lm"
+    raise unsupported_conversion(f"{what}: it is served as is" if report.get("loadable_as_is")
+                                 else what)
+
+
+def plan_conversion(spec: str, *, home: Path, out: Path | None = None, dtype: str = "float32",
+                    quantize: Quantization | None = None,
+                    trust_remote_code: bool = False) -> ConversionPlan:
+    """Decide converter, output and steps for SOURCE (reads metadata only)."""
+    if dtype not in DTYPES:
+        raise WorkflowError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if quantize is not None and quantize.mode not in Q_MODES:
+        raise WorkflowError(f"quantisation mode {quantize.mode!r} is not one of "
+                            f"{', '.join(Q_MODES)}")
+    ref = parse_source(spec)
+    path = local_path(ref, home)
+    report = inspect_path(path, hashes=False)
+    converter = _choose_converter(report, quantize)
+    source_file = _gguf_input(path) if converter == "gguf" else path
+    acq = (path if path.is_dir() else path.parent) / "acquisition.json"
+    qtag = f"-q{quantize.bits or 'd'}{'' if quantize.mode == 'affine' else quantize.mode}" \
+        if quantize else ""
+    name = slug(source_file.name.removesuffix(".gguf") if source_file.is_file() else path.name)
+    target = Path(out).expanduser().absolute() if out else \
+        home / "models" / "mlx" / f"{name}-{dtype}{qtag}"
+    plan = ConversionPlan(spec, source_file, str(report.get("format")), report.get("kind"),
+                          report.get("architecture"), converter, target, dtype, quantize,
+                          trust_remote_code, acq if acq.is_file() else None)
+    plan.steps = _steps(plan)
+    return plan
+
+
+def _steps(plan: ConversionPlan) -> list[str]:
+    q = plan.quantize
+    qtext = f"quantise ({q.mode}, {q.bits or 'default'} bits, group {q.group_size or 'default'})" \
+        if q else None
+    if plan.converter == "gguf":
+        steps = [f"dequantise {plan.input.name} ({plan.architecture}) with gguf",
+                 "rename tensors to the Hugging Face layout"
+                 + (", undo llama.cpp's Q/K permutation" if plan.architecture == "llama" else "")
+                 + (", RMSNorm weights 1+w -> w" if plan.architecture == "gemma3" else ""),
+                 "config.json and tokenizer from the GGUF metadata"]
+        if q or plan.dtype == "bfloat16":
+            steps += ["write float32 MLX, then mlx-lm: " + (qtext or f"cast to {plan.dtype}")]
+        else:
+            steps.append(f"write {plan.dtype} safetensors")
+    elif plan.converter == "ct2-whisper":
+        steps = ["read the CTranslate2 model.bin", "split fused QKV / cross-attention KV",
+                 f"write mlx-whisper weights.safetensors ({plan.dtype}) + config.json"]
+    else:
+        steps = [f"{plan.converter}.convert: load lazily, cast to {plan.dtype}"
+                 + (f", {qtext}" if qtext else "")]
+    return [*steps, f"write conversion.json, move into {plan.output}"]
+
+
+def _quiet() -> contextlib.AbstractContextManager[Any]:
+    """mlx-lm/mlx-vlm converters print to stdout; keep it off our --json output."""
+    return contextlib.redirect_stdout(io.StringIO())
+
+
+def _run_mlx_lm(src: Path, dest: Path, plan: ConversionPlan) -> None:
+    q = plan.quantize
+    kwargs: dict[str, Any] = dict(dtype=plan.dtype, quantize=q is not None,
+                                  trust_remote_code=plan.trust_remote_code)
+    if q is not None:
+        kwargs.update(q_bits=q.bits, q_group_size=q.group_size, q_mode=q.mode)
+    with _quiet():
+        if plan.converter == "mlx-vlm":
+            from mlx_vlm import convert as vlm_convert
+
+            if q is not None:
+                kwargs.update(q_bits=q.bits or 4, q_group_size=q.group_size or 64)
+            vlm_convert(str(src), mlx_path=str(dest), **kwargs)
+        else:
+            from mlx_lm import convert as lm_convert
+
+            lm_convert(str(src), mlx_path=str(dest), **kwargs)
+
+
+def _convert_into(plan: ConversionPlan, staging: Path, progress: ProgressFn | None,
+                  permute: bool) -> dict[str, Any]:
+    """Run the converter so that ``staging`` holds the finished model."""
+    if plan.converter == "ct2-whisper":
+        from mlxd.workflow.ct2_whisper import write_whisper_folder
+
+        res = write_whisper_folder(plan.input, staging, dtype=plan.dtype, progress=progress)
+        return {"parameters": res.parameters, "tensors": res.tensors, "dims": res.dims,
+                "source_dtypes": res.source_dtypes}
+    if plan.converter == "gguf":
+        from mlxd.workflow.gguf_convert import open_gguf, write_mlx_folder
+
+        g = open_gguf(plan.input)
+        two_stage = plan.quantize is not None or plan.dtype == "bfloat16"
+        first = scratch_path(plan.output, "float") if two_stage else staging
+        first.mkdir(exist_ok=True)
+        try:
+            params = write_mlx_folder(g, first, dtype="float32" if two_stage else plan.dtype,
+                                      permute=permute, progress=progress)
+            if two_stage:
+                staging.rmdir()
+                _run_mlx_lm(first, staging, plan)
+        finally:
+            if two_stage:
+                shutil.rmtree(first, ignore_errors=True)
+        return {"parameters": params, "tensors": len(g.tensors),
+                "source_quantization": g.quantization_summary(),
+                "qk_unpermuted": permute and g.arch == "llama"}
+    staging.rmdir()
+    _run_mlx_lm(plan.input, staging, plan)
+    return {}
+
+
+def run_conversion(plan: ConversionPlan, *, force: bool = False, command: list[str] | None = None,
+                   progress: ProgressFn | None = None, permute: bool = True) -> dict[str, Any]:
+    """Execute ``plan``; returns the conversion manifest (also written next to the output)."""
+    check_output(plan.output, force=force)
+    manifest = new_manifest("conversion", command=command)
+    manifest["recipe"] = {"converter": plan.converter, "dtype": plan.dtype,
+                          "quantize": asdict(plan.quantize) if plan.quantize else None,
+                          "trust_remote_code": plan.trust_remote_code, "steps": plan.steps}
+    manifest["source"] = {"spec": plan.source, "path": str(plan.input),
+                          "format": plan.input_format, "kind": plan.kind,
+                          "architecture": plan.architecture,
+                          "files": [f.as_dict() for f in inventory(plan.input)]}
+    manifest["inputs"] = [link_to(plan.input_manifest)] if plan.input_manifest else []
+    with staged_folder(plan.output, force=force) as staging:
+        details = _convert_into(plan, staging, progress, permute)
+        if not permute:
+            manifest["recipe"]["qk_unpermuted"] = False
+        manifest["outputs"] = {"artifact": str(plan.output), **details}
+        manifest["files"] = [f.as_dict() for f in inventory(staging)]
+        finish_manifest(manifest, "complete")
+        write_manifest(manifest_path(staging, "conversion"), manifest)
+    return manifest
