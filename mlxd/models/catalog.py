@@ -54,9 +54,9 @@ def local_path_of(entry: ModelEntry, home: Path) -> Path | None:
 
 
 def _gguf_weights(path: Path, dtype_bytes: int) -> tuple[int, dict[str, int]]:
-    from mlxd.workflow.gguf_convert import GGUFModel
+    from mlxd.workflow.gguf_header import read_gguf_header
 
-    g = GGUFModel(path)
+    g = read_gguf_header(path)  # header only: milliseconds, where GGUFReader takes seconds
     cfg = {"num_hidden_layers": g.a("block_count"), "num_attention_heads": g.a("attention.head_count"),
            "num_key_value_heads": g.a("attention.head_count_kv"),
            "hidden_size": g.a("embedding_length"), "head_dim": g.a("attention.key_length"),

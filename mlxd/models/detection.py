@@ -145,11 +145,9 @@ def kind_from_name(name: str) -> ModelKind | None:
 
 def classify_gguf(path: Path) -> Detection:
     """Classify a GGUF file from its ``general.architecture``."""
-    import gguf
+    from mlxd.workflow.gguf_header import read_gguf_header
 
-    reader = gguf.GGUFReader(str(path))
-    field_ = reader.fields.get("general.architecture")
-    arch = str(field_.contents()) if field_ is not None else ""
+    arch = read_gguf_header(path).arch
     checked = ["GGUF general.architecture"]
     if arch in ("whisper",):
         return Detection(ModelKind.STT, f"GGUF architecture {arch}", arch, [], checked)
