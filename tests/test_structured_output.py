@@ -158,3 +158,22 @@ def test_smollm2_answers_a_json_schema_request_with_valid_json(
     doc = json.loads(r.choices[0].message.content or "")
     jsonschema.validate(doc, schema)
     assert "Paris" in doc["city"]
+
+
+def test_forced_call_works_when_the_markers_are_added_tokens(session_dir, test_home) -> None:
+    """Qwen-style tokenizers make <tool_call> one added token; the grammar must use its id."""
+    from mlxd.config import ServerConfig
+    from tests.helpers.scripted_engine import build_agent_model
+    from tests.helpers.server import running_server
+
+    model = build_agent_model(session_dir / "agent-model-forced")
+    cfg = ServerConfig(model=str(model), served_model_name="m", home=test_home, no_starter=True)
+    with running_server(cfg) as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        for seed in range(5):
+            r = client.chat.completions.create(model="m", messages=HI, tools=TOOLS,  # type: ignore[arg-type]
+                                               tool_choice="required", seed=seed,
+                                               temperature=1.0, max_tokens=120)
+            assert r.choices[0].finish_reason == "tool_calls"
+            (call,) = r.choices[0].message.tool_calls or []
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])

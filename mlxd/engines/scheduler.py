@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 # Prompts at least this long have their KV state cached as soon as prefill
 # ends, so concurrent requests sharing the prefix reuse it in flight.
 IN_FLIGHT_CACHE_MIN_TOKENS = 64
+# While streams are decoding, a prefill chunk may take about this many decode
+# steps' worth of time, so one long prompt cannot stall the others.
+PREFILL_INTERLEAVE = 1.5
+MIN_PREFILL_CHUNK = 32
 
 
 class EventSink:
@@ -220,6 +224,8 @@ class BatchScheduler(SchedulerBase):
         self.prefill_step_size = prefill_step_size
         self._eos = sorted(tokenizer.eos_token_ids)
         self._gen = self._new_generator()
+        self._decode_step_s: float | None = None  # moving average per decode step
+        self._prefill_tps: float | None = None  # moving average prompt tokens/s
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -243,7 +249,11 @@ class BatchScheduler(SchedulerBase):
             self._admit(seq)
         if not self.running:
             return
-        prompt_responses, responses = self._gen.next()
+        decoding = any(s.pipeline.completion_tokens for s in self.running.values())
+        self._gen.prefill_step_size = self._prefill_chunk(decoding)
+        with self._gen.stats() as stats:
+            prompt_responses, responses = self._gen.next()
+        self._observe(stats)
         self.steps += 1
         self._cache_finished_prompts(prompt_responses)
         for r in responses:
@@ -267,6 +277,24 @@ class BatchScheduler(SchedulerBase):
         failed = [s for s in self.running.values() if s.error is not None]
         if failed:
             self._remove(failed, "error")
+
+    def _prefill_chunk(self, decoding: bool) -> int:
+        """Prompt tokens to process this step: all of ``--prefill-step-size`` when nothing
+        is decoding, else about ``PREFILL_INTERLEAVE`` decode steps' worth."""
+        if not decoding or self._decode_step_s is None or self._prefill_tps is None:
+            return self.prefill_step_size
+        budget = int(self._prefill_tps * self._decode_step_s * PREFILL_INTERLEAVE)
+        return max(MIN_PREFILL_CHUNK, min(self.prefill_step_size, budget))
+
+    def _observe(self, stats: Any) -> None:
+        if stats.generation_steps:
+            step = stats.decode_time / stats.generation_steps
+            self._decode_step_s = step if self._decode_step_s is None else \
+                0.8 * self._decode_step_s + 0.2 * step
+        if stats.prompt_tokens >= MIN_PREFILL_CHUNK and stats.prompt_time > 0:
+            tps = stats.prompt_tokens / stats.prompt_time
+            self._prefill_tps = tps if self._prefill_tps is None else \
+                0.7 * self._prefill_tps + 0.3 * tps
 
     def _admit(self, seq: Sequence) -> None:
         tokens = seq.prompt_tokens

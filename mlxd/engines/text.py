@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -55,7 +56,7 @@ class TextEngineOptions:
 
     max_num_seqs: int = 16
     max_queue: int = 256
-    prefill_step_size: int = 512
+    prefill_step_size: int = 2048
     prefix_cache_bytes: int = 256 * 1024 * 1024
     batching: bool = True
     max_context: int | None = None
@@ -301,7 +302,8 @@ class MLXLanguageModel:
                                  "cannot be combined with response_format.", param="tool_choice")
         if forced:
             assert fmt is not None
-            constraint = tool_call_constraint(request.tools, request.tool_choice, fmt)
+            constraint = tool_call_constraint(request.tools, request.tool_choice, fmt,
+                                              self._lark_marker)
         if constraint is None:
             return None
         grammar = grammar_for(constraint)
@@ -369,6 +371,13 @@ class MLXLanguageModel:
         finally:
             if not finished:
                 scheduler.cancel(seq.seq_id)
+
+    def _lark_marker(self, marker: str) -> str:
+        """A tool-call marker in Lark: by token id when it is one added token."""
+        added = self.tokenizer.get_added_vocab()
+        if marker in added:
+            return f"<[{added[marker]}]>"
+        return json.dumps(marker)
 
     def _constraint_factory(self, grammar: str | None) -> Any:
         if grammar is None or self.grammar_tokenizer is None:

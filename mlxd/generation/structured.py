@@ -9,6 +9,7 @@ function. Invalid schemas and grammars are 400s that name the problem.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from mlxd.errors import InvalidRequest
@@ -71,12 +72,16 @@ def _lark_literal(text: str) -> str:
     return json.dumps(text)
 
 
-def tool_call_constraint(tools: list[ToolSpec], choice: ToolChoice,
-                         fmt: ToolCallFormat) -> Constraint:
+def tool_call_constraint(tools: list[ToolSpec], choice: ToolChoice, fmt: ToolCallFormat,
+                         literal: Callable[[str], str] | None = None) -> Constraint:
     """A Lark grammar that admits exactly one call in ``fmt``'s markup.
 
     ``required``: any of the tools; a named function: that one only.
+    ``literal`` writes a marker in Lark: a quoted string by default; the engine
+    passes one that writes ``<[id]>`` when the marker is a single added token
+    (llguidance matches added tokens only by id, never as text).
     """
+    literal = literal or _lark_literal
     if choice.mode == "function":
         chosen = [t for t in tools if t.name == choice.name]
     else:
@@ -90,8 +95,8 @@ def tool_call_constraint(tools: list[ToolSpec], choice: ToolChoice,
     # Compact JSON: flexible whitespace lets a weak model pad forever.
     schema["x-guidance"] = {"whitespace_flexible": False}
     body = "%json " + json.dumps(schema)
-    start = _lark_literal(fmt.start) if fmt.start else None
-    end = _lark_literal(fmt.end) if fmt.end else None
+    start = literal(fmt.start) if fmt.start else None
+    end = literal(fmt.end) if fmt.end else None
     parts = [p for p in (start, "call", end) if p]
     lark = f"start: {' '.join(parts)}\ncall: {body}\n"
     return Constraint("lark", lark)
