@@ -68,6 +68,9 @@ class ServerConfig(BaseSettings):
     max_embedding_inputs: int = 2048
     max_rerank_documents: int = 1000
     max_rerank_tokens: int = 500_000
+    embedding_overflow: Literal["truncate", "error"] = "truncate"
+    encoder_batch_tokens: int = Field(8192, gt=0, description=(
+        "padded tokens per embedding / rerank forward pass"))
 
     # Response store (Responses API)
     response_store_max: int = 1000

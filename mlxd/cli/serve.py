@@ -38,6 +38,13 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--tool-call-parser", "tool_call_parser", {"help": "hermes | llama3_json | mistral | ..."}),
     ("--max-body-bytes", "max_body_bytes", {"type": int}),
     ("--max-embedding-inputs", "max_embedding_inputs", {"type": int}),
+    ("--embedding-overflow", "embedding_overflow", {
+        "choices": ["truncate", "error"],
+        "help": "inputs over the model's max length: truncate (default) or 400"}),
+    ("--encoder-batch-tokens", "encoder_batch_tokens", {
+        "type": int, "help": "padded tokens per embedding/rerank batch (default 8192)"}),
+    ("--max-rerank-documents", "max_rerank_documents", {"type": int}),
+    ("--max-rerank-tokens", "max_rerank_tokens", {"type": int}),
     ("--home", "home", {"help": "cache folder (default $MLXD_HOME or ~/.cache/mlxd)"}),
 )
 SWITCHES = (

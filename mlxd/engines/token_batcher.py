@@ -1,0 +1,227 @@
+"""``TokenBatcher``: packs encoder inputs from many requests into padded batches.
+
+Embedding and rerank requests are one forward pass per batch, not a decode
+loop, so their "scheduler" is a queue of tokenised sequences that the model's
+worker thread drains between jobs (it is the worker's ``Stepper``). Each step
+takes a window of waiting sequences in arrival order, sorts it by length and
+runs the longest-first batch whose padded size (``rows x longest``) fits the
+token budget, leaving out rows too short to be worth padding that far; what
+is left goes back to the front of the queue. So
+concurrent requests share batches, short inputs pad against short inputs,
+and a request is never overtaken by ones that arrived after it.
+
+``submit`` is called from the event loop's threads; ``step`` and ``fail_all``
+run on the worker thread. Results travel back through a
+``concurrent.futures.Future`` per request (``asyncio.wrap_future`` on the
+async side; cancelling it drops the request's sequences that have not run).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlxd.errors import Overloaded
+
+log = logging.getLogger(__name__)
+
+#: Sequences a step looks at when choosing a batch: this many budgets' worth.
+WINDOW_BUDGETS = 4
+#: Padding a row by at most this many tokens is always cheaper than another batch.
+PAD_SLACK = 32
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One tokenised model input (a text, or a query-document pair)."""
+
+    input_ids: list[int]
+    token_type_ids: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+# Runs one padded batch on the worker thread: rows in, one output row each.
+BatchForward = Callable[[Sequence[Encoded]], np.ndarray]
+
+
+@dataclass
+class BatchJob:
+    """One request's sequences and the future that receives their outputs, in order."""
+
+    inputs: list[Encoded]
+    future: concurrent.futures.Future[np.ndarray] = field(
+        default_factory=concurrent.futures.Future)
+    rows: list[np.ndarray | None] = field(default_factory=list)
+    remaining: int = 0
+
+    def __post_init__(self) -> None:
+        self.rows = [None] * len(self.inputs)
+        self.remaining = len(self.inputs)
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            try:
+                self.future.set_exception(error)
+            except concurrent.futures.InvalidStateError:  # cancelled meanwhile
+                pass
+
+    def deliver(self, index: int, row: np.ndarray) -> None:
+        self.rows[index] = row
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            try:
+                self.future.set_result(np.stack([r for r in self.rows if r is not None]))
+            except concurrent.futures.InvalidStateError:
+                pass
+
+
+@dataclass(frozen=True)
+class _Item:
+    job: BatchJob
+    index: int
+
+    @property
+    def length(self) -> int:
+        return len(self.job.inputs[self.index])
+
+
+class TokenBatcher:
+    """A token-budgeted batch queue, stepped by a ``ModelWorker``."""
+
+    def __init__(self, forward: BatchForward, *, token_budget: int = 8192,
+                 max_batch_size: int = 256, max_queued_tokens: int = 4_000_000,
+                 wake: Callable[[], None] | None = None) -> None:
+        self._forward = forward
+        self.token_budget = max(1, token_budget)
+        self.max_batch_size = max(1, max_batch_size)
+        self.max_queued_tokens = max_queued_tokens
+        self._wake = wake or (lambda: None)
+        self._lock = threading.Lock()
+        self._queue: deque[_Item] = deque()
+        self._queued_tokens = 0
+        self._closed = False
+        self.batches = 0
+        self.rows = 0
+        self.padded_tokens = 0
+
+    # -- event-loop side ------------------------------------------------------
+    def submit(self, inputs: list[Encoded]) -> BatchJob:
+        """Queue one request's sequences; its ``future`` resolves to an (n, ...) array."""
+        job = BatchJob(list(inputs))
+        if not job.inputs:
+            job.future.set_result(np.zeros((0,), dtype=np.float32))
+            return job
+        tokens = sum(len(x) for x in job.inputs)
+        with self._lock:
+            if self._closed:
+                raise Overloaded("The model is being unloaded; retry shortly.", retry_after=2)
+            if self._queued_tokens and self._queued_tokens + tokens > self.max_queued_tokens:
+                raise Overloaded(
+                    f"The model's queue holds {self._queued_tokens} tokens; retry shortly.",
+                    retry_after=2, code="queue_full")
+            self._queue.extend(_Item(job, i) for i in range(len(job.inputs)))
+            self._queued_tokens += tokens
+        self._wake()
+        return job
+
+    # -- worker side ------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._queue)
+
+    def step(self) -> None:
+        """Run one batch (worker thread)."""
+        batch = self._next_batch()
+        if not batch:
+            return
+        try:
+            out = self._forward([it.job.inputs[it.index] for it in batch])
+        except Exception as e:  # fail the requests in this batch, keep serving others
+            log.exception("encoder batch of %d rows failed", len(batch))
+            for it in batch:
+                it.job.fail(e)
+            return
+        longest = max(it.length for it in batch)
+        self.batches += 1
+        self.rows += len(batch)
+        self.padded_tokens += longest * len(batch)
+        for it, row in zip(batch, out):
+            if not it.job.done:
+                it.job.deliver(it.index, row)
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            items = list(self._queue)
+            self._queue.clear()
+            self._queued_tokens = 0
+        for it in items:
+            it.job.fail(error)
+
+    def close(self) -> None:
+        """Refuse new work and fail what is waiting (the model is unloading)."""
+        with self._lock:
+            self._closed = True
+        self.fail_all(Overloaded("The model was unloaded before this request ran; retry.",
+                                 retry_after=1))
+
+    def stats(self) -> dict[str, Any]:
+        return {"queued_sequences": len(self._queue), "batches": self.batches,
+                "rows": self.rows, "padded_tokens": self.padded_tokens}
+
+    def _take_window(self) -> list[_Item]:
+        """Waiting items in arrival order, skipping cancelled requests (lock held)."""
+        window: list[_Item] = []
+        tokens = 0
+        limit = self.token_budget * WINDOW_BUDGETS
+        while self._queue and len(window) < self.max_batch_size * WINDOW_BUDGETS:
+            item = self._queue[0]
+            if window and tokens + item.length > limit:
+                break
+            self._queue.popleft()
+            self._queued_tokens -= item.length
+            if item.job.done:  # cancelled by its client, or failed already
+                continue
+            window.append(item)
+            tokens += item.length
+        return window
+
+    def _next_batch(self) -> list[_Item]:
+        with self._lock:
+            window = self._take_window()
+            if not window:
+                return []
+            order = sorted(range(len(window)), key=lambda i: -window[i].length)
+            longest = window[order[0]].length
+            rows = max(1, min(self.max_batch_size, self.token_budget // max(1, longest)))
+            chosen = [order[0]]
+            for i in order[1:rows]:
+                if not worth_padding(window[i].length, longest):
+                    break
+                chosen.append(i)
+            taken = set(chosen)
+            rest = [it for i, it in enumerate(window) if i not in taken]
+            self._queue.extendleft(reversed(rest))
+            self._queued_tokens += sum(it.length for it in rest)
+        return [window[i] for i in chosen]
+
+
+def worth_padding(length: int, longest: int) -> bool:
+    """Pad ``length`` up to ``longest`` in one batch, or leave it for a batch of its own size?
+
+    Padding is compute thrown away (attention grows with the square of the
+    length); a separate batch costs one more dispatch. Rows at least half as
+    long as the longest, or within ``PAD_SLACK`` tokens of it, share its batch.
+    """
+    return 2 * length >= longest or longest - length <= PAD_SLACK
