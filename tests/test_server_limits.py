@@ -69,3 +69,13 @@ def test_oversized_body_is_413_before_parsing(keyed_server: RunningServer) -> No
                    headers={"Authorization": "Bearer sekret"})
     assert r.status_code == 413
     assert "exceeds the limit" in r.json()["error"]["message"]
+
+
+def test_metrics_expose_models_memory_and_queues(tiny_server: RunningServer) -> None:
+    with tiny_server.client() as http:
+        http.post("/v1/chat/completions", json={"model": "tiny", "messages": HI, "max_tokens": 2})
+        text = http.get("/metrics").text
+    assert "mlxd_memory_budget_bytes" in text
+    assert 'mlxd_model_state{kind="text",model="tiny",state="loaded"} 1.0' in text
+    assert 'mlxd_requests_running{model="tiny"} 0.0' in text
+    assert 'mlxd_model_loads_total{model="tiny"}' in text

@@ -277,6 +277,9 @@ class BatchScheduler(SchedulerBase):
         failed = [s for s in self.running.values() if s.error is not None]
         if failed:
             self._remove(failed, "error")
+        if not self.running:
+            # Idle: give MLX's buffer cache back so memory returns to its resting size.
+            mx.clear_cache()
 
     def _prefill_chunk(self, decoding: bool) -> int:
         """Prompt tokens to process this step: all of ``--prefill-step-size`` when nothing

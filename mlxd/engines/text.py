@@ -230,6 +230,7 @@ class MLXLanguageModel:
         if self.prefix_cache is not None:
             out.update(prefix_cache_hits=self.prefix_cache.hits,
                        prefix_cache_misses=self.prefix_cache.misses,
+                       prefix_cache_bytes=self.prefix_cache.nbytes,
                        prefix_cache_entries=len(self.prefix_cache))
         return out
 

@@ -1,0 +1,85 @@
+"""GET /metrics: Prometheus metrics read from the live model manager at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from mlxd.models.residency import State
+from mlxd.server.context import ServerContext, get_ctx
+
+router = APIRouter()
+
+
+class ManagerCollector:
+    """Reads models, memory and scheduler state when Prometheus scrapes."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    def collect(self) -> Iterator[Any]:
+        manager = self.ctx.manager
+        yield GaugeMetricFamily("mlxd_memory_budget_bytes", "Configured memory budget",
+                                value=manager.policy.budget_bytes)
+        yield GaugeMetricFamily("mlxd_memory_used_bytes", "Bytes held against the budget",
+                                value=manager.used_bytes())
+        yield CounterMetricFamily("mlxd_evictions", "Models evicted to make room",
+                                  value=manager.evictions)
+        state = GaugeMetricFamily("mlxd_model_state", "1 for the model's current state",
+                                  labels=["model", "kind", "state"])
+        memory = GaugeMetricFamily("mlxd_model_memory_bytes", "Model memory (estimate "
+                                   "while unloaded)", labels=["model"])
+        loads = CounterMetricFamily("mlxd_model_loads", "Times the model was loaded",
+                                    labels=["model"])
+        leases = GaugeMetricFamily("mlxd_model_leases", "Requests holding the model",
+                                   labels=["model"])
+        running = GaugeMetricFamily("mlxd_requests_running", "Sequences in the running batch",
+                                    labels=["model"])
+        waiting = GaugeMetricFamily("mlxd_requests_waiting", "Sequences queued",
+                                    labels=["model"])
+        cache = GaugeMetricFamily("mlxd_prefix_cache_bytes", "Prefix cache size",
+                                  labels=["model"])
+        hits = CounterMetricFamily("mlxd_prefix_cache_hits", "Prefix cache hits",
+                                   labels=["model"])
+        for res in manager.residencies():
+            for s in State:
+                state.add_metric([res.name, str(res.kind), str(s)], 1 if res.state == s else 0)
+            memory.add_metric([res.name], res.memory_bytes())
+            loads.add_metric([res.name], res.loads)
+            leases.add_metric([res.name], res.leases)
+            stats = _engine_stats(res)
+            running.add_metric([res.name], stats.get("running", 0))
+            waiting.add_metric([res.name], stats.get("waiting", 0))
+            cache.add_metric([res.name], stats.get("prefix_cache_bytes", 0))
+            hits.add_metric([res.name], stats.get("prefix_cache_hits", 0))
+        yield from (state, memory, loads, leases, running, waiting, cache, hits)
+
+
+def _engine_stats(res: Any) -> dict[str, Any]:
+    engine = res.engine if res.state == State.LOADED else None
+    stats = getattr(engine, "stats", None)
+    if stats is None:
+        return {}
+    try:
+        return dict(stats())
+    except Exception:
+        return {}
+
+
+def _registry(ctx: ServerContext) -> CollectorRegistry:
+    registry = ctx.extras.get("metrics_registry")
+    if registry is None:
+        registry = CollectorRegistry()
+        registry.register(ManagerCollector(ctx))  # type: ignore[arg-type]
+        ctx.extras["metrics_registry"] = registry
+    return registry
+
+
+@router.get("/metrics")
+async def metrics(ctx: ServerContext = Depends(get_ctx)) -> Response:
+    return Response(generate_latest(_registry(ctx)), media_type=CONTENT_TYPE_LATEST)
