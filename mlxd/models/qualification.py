@@ -25,6 +25,8 @@ def qualification_problem(entry: Any, local_path: Path | None) -> str | None:
         return "no qualification (run `mlxd model qualify`)"
     if q.get("status") != "pass":
         return f"qualification status is {q.get('status')!r}"
+    if q.get("source") not in (None, entry.source):
+        return f"the qualification is for another source ({q.get('source')})"
     at = q.get("finished_at") or q.get("at")
     if not at:
         return "qualification has no timestamp"

@@ -66,7 +66,8 @@ def _files_under(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     return [p for p in sorted(path.rglob("*")) if p.is_file()
-            and not any(part.endswith(_SKIP) for part in p.relative_to(path).parts)]
+            and not any(part.endswith(_SKIP) or part.startswith(".")
+                        for part in p.relative_to(path).parts)]
 
 
 def verify_pypi(ref: SourceRef, path: Path, home: Path) -> dict[str, Any]:

@@ -91,6 +91,7 @@ def staged_folder(out: Path, *, force: bool = False) -> Iterator[Path]:
     """Yield an empty staging folder; on success it becomes ``out``, on error it is removed."""
     out = Path(out).absolute()
     check_output(out, force=force)
+    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(out.parent, out.name)
     staging = scratch_path(out)
@@ -101,4 +102,9 @@ def staged_folder(out: Path, *, force: bool = False) -> Iterator[Path]:
         publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # deepest first: leave no empty folders behind
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
