@@ -5,8 +5,8 @@ GGUF it converts on first load), then ``registration.json`` is written next to
 it (linking the conversion / acquisition manifests), then the registry file is
 updated atomically. Nothing is written when a check fails, so bad input
 changes nothing; a name already registered for another source is refused
-unless ``--replace``. ``--url`` also pushes the entry to a running server
-(``PUT /v1/models``, admin key).
+unless ``--replace``. ``--url`` first pushes the entry to a running server
+(``PUT /v1/models``, admin key); a refused push registers nothing.
 """
 
 from __future__ import annotations
@@ -124,11 +124,11 @@ def register(name: str, source: str, *, registry: RegistryFile, home: Path,
                             "kind": str(entry.kind) if entry.kind else None,
                             "format": report.get("format") if report else None,
                             "files": [f.as_dict() for f in inventory(path)] if path else []}
+    if url:  # first: a refused push (wrong key, bad entry) changes nothing here either
+        manifest["pushed"] = push_entry(url, entry, api_key)
     finish_manifest(manifest, "complete")
     write_manifest(manifest_path(manifest_dir(entry, home), "registration"), manifest)
     registry.upsert(entry)
-    if url:
-        manifest["pushed"] = push_entry(url, entry, api_key)
     return manifest
 
 
@@ -142,10 +142,10 @@ def push_entry(url: str, entry: ModelEntry, api_key: str | None) -> dict[str, An
                                                                             exclude_none=True),
                       headers=headers, timeout=60, trust_env=False)
     except httpx.HTTPError as e:
-        raise WorkflowError(f"registered locally, but {url} cannot be reached: {e}") from None
+        raise WorkflowError(f"{url} cannot be reached ({e}); nothing was registered") from None
     if r.status_code != 200:
-        raise WorkflowError(f"registered locally, but {url} refused the entry "
-                            f"({r.status_code}): {r.text[:300]}")
+        raise WorkflowError(f"{url} refused the entry ({r.status_code}): {r.text[:300]}; "
+                            "nothing was registered")
     card = r.json()
     return {"url": url, "state": card.get("state"), "persisted": card.get("persisted"),
             "replaced": card.get("replaced")}
