@@ -57,6 +57,19 @@ def test_gguf_conversion_reproduces_the_original_logits(arch: str, tiny_sources:
     assert np.abs(expected - got).max() < 1e-4
 
 
+def test_an_ollama_blob_is_recognised_by_its_magic(tiny_sources: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    blob = write_gguf(tiny_sources["llama"], tmp_path / ("sha256-" + "ab" * 32), "llama")
+    home = tmp_path / "home"
+    inspected = mlxd(home, "inspect", str(blob), "--no-hash").json
+    assert inspected["format"] == "gguf" and inspected["kind"] == "text"
+    refused = mlxd(home, "register", "blob", str(blob))
+    assert refused.rc == 2 and "--join NAME.gguf" in refused.json["error"]
+    acquired = mlxd(home, "acquire", str(blob), "--join", "tiny-llama.gguf")
+    assert acquired.rc == 0, acquired.stderr
+    assert [f["path"] for f in acquired.json["files"]] == ["tiny-llama.gguf"]
+
+
 def test_skipping_the_qk_unpermutation_changes_the_model(tiny_sources: dict[str, Path],
                                                          tmp_path: Path) -> None:
     from mlxd.workflow.gguf_convert import convert_gguf

@@ -175,7 +175,9 @@ def detect_path(path: Path, name: str = "") -> Detection:
     """Classify a local folder or file."""
     path = Path(path)
     if path.is_file():
-        if path.suffix == ".gguf":
+        from mlxd.workflow.gguf_header import is_gguf
+
+        if path.suffix == ".gguf" or is_gguf(path):  # Ollama's blobs have no suffix
             return classify_gguf(path)
         if path.name.endswith(".onnx") and Path(str(path) + ".json").exists():
             return Detection(ModelKind.TTS, "Piper voice (.onnx + .onnx.json)")

@@ -119,6 +119,15 @@ class _Cursor:
         return None, count
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` starts with the GGUF magic (Ollama stores GGUFs without a suffix)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def read_gguf_header(path: Path) -> GGUFHeader:
     """Read a GGUF file's metadata and tensor table (raises ``GGUFHeaderError``)."""
     path = Path(path)

@@ -25,6 +25,7 @@ from mlxd.models.detection import (
 )
 from mlxd.models.spec import ModelKind
 from mlxd.workflow import weights_info as wi
+from mlxd.workflow.gguf_header import is_gguf
 from mlxd.workflow.manifest import ProgressFn, inventory
 from mlxd.workflow.sources import SourceRef, WorkflowError, local_path, parse_source
 
@@ -188,7 +189,7 @@ def inspect_path(path: Path, *, hashes: bool = True,
         raise WorkflowError(f"{path}: no such file or folder")
     kind, reason = _detect(path)
     if path.is_file():
-        if path.suffix != ".gguf":
+        if path.suffix != ".gguf" and not is_gguf(path):
             raise unsupported(path)
         report = inspect_gguf(path)
     elif is_ctranslate2_whisper(path):

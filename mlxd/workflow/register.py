@@ -62,6 +62,9 @@ def _check_artifact(path: Path, kind: ModelKind | None) -> tuple[ModelKind, dict
                             f"{report.get('conversion_note')}. Run `mlxd model convert` first.")
     if report.get("format") == "gguf" and report.get("converter") != "gguf":
         raise WorkflowError(f"{path}: {report.get('conversion_note')}")
+    if report.get("format") == "gguf" and path.is_file() and path.suffix != ".gguf":
+        raise WorkflowError(f"{path} is a GGUF file without the .gguf suffix (an Ollama blob?): "
+                            "convert it, or acquire it with --join NAME.gguf, then register")
     found = kind or (ModelKind(report["kind"]) if report.get("kind") else None)
     if found is None:
         raise WorkflowError(f"cannot tell the kind of {path} ({report.get('kind_reason')}); "
