@@ -66,7 +66,8 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("source", help="GGUF file, HF/MLX folder, CTranslate2 Whisper folder or "
                                   "an acquired folder")
     p.add_argument("--out", default=None, help="output folder (default $MLXD_HOME/models/mlx/...)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="weights dtype (default: float32 on CPU, float16 on a GPU)")
     p.add_argument("--quantize", "-q", action="store_true", help="quantise with mlx-lm")
     p.add_argument("--q-bits", type=int, default=None)
     p.add_argument("--q-group-size", type=int, default=None)
@@ -127,7 +128,10 @@ def _add_show(sub: Any) -> None:
 
 
 def add_parser(sub: Any, name: str, help_text: str) -> None:
-    p = sub.add_parser(name, help=help_text, description=__doc__)
+    p = sub.add_parser(name, help=help_text, description=(
+        "From a model you found to a qualified registry entry: inspect, acquire, convert, "
+        "register, qualify, show. Each step leaves a JSON manifest next to its artifact. "
+        "Exit status: 0 done, 1 qualification failed, 2 bad input (nothing changed)."))
     msub = p.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
     for add in (_add_inspect, _add_acquire, _add_convert, _add_register, _add_qualify,
                 _add_show):

@@ -77,7 +77,12 @@ def do_convert(args: argparse.Namespace, out: Console, err: Console) -> int:
     quant = Quantization(args.q_bits, args.q_group_size, args.q_mode) if args.quantize else None
     if not args.quantize and (args.q_bits or args.q_group_size):
         raise ValueError("--q-bits / --q-group-size need --quantize")
-    plan = plan_conversion(args.source, home=home_of(args), out=args.out, dtype=args.dtype,
+    dtype = args.dtype
+    if dtype is None:
+        from mlxd.engines.device import preferred_float_dtype
+
+        dtype = preferred_float_dtype()  # what the server would pick for this machine
+    plan = plan_conversion(args.source, home=home_of(args), out=args.out, dtype=dtype,
                            quantize=quant, trust_remote_code=args.trust_remote_code)
     if args.register:
         _check_name_free(args, args.register, str(plan.output))
