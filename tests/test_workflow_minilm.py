@@ -87,3 +87,24 @@ def test_registered_model_answers_through_a_real_server(home: Path,
         assert math.isclose(math.sqrt(sum(x * x for x in vector)), 1.0, abs_tol=1e-3)
         card = client.get("/v1/models/minilm").json()
         assert card["qualification"] == "pass"
+
+
+def test_a_reranker_is_qualified_through_v1_rerank(home: Path, acquired: dict[str, Any],
+                                                  tmp_path: Path) -> None:
+    from tests.helpers.cross_encoders import build_minilm_cross_encoder
+
+    # No trained cross-encoder exists offline: the real MiniLM body with a seeded head has
+    # the exact shape of ms-marco-MiniLM-L-6-v2, so every step runs for real, but its
+    # ordering is chance: this checks the path and the record, not the verdict.
+    folder = build_minilm_cross_encoder(tmp_path / "cross-encoder",
+                                        Path(acquired["outputs"]["artifact"]))
+    _ok(mlxd(home, "register", "reranker", str(folder)))
+    result = mlxd(home, "qualify", "reranker")
+    assert result.rc in (0, 1), result.stderr[-2000:]
+    report = result.json
+    assert report["kind"] == "rerank"
+    assert report["checks"]["load"]["passed"] is True
+    accuracy = report["checks"]["ordering"]["figures"]["ordering_accuracy"]
+    assert 0.0 <= accuracy <= 1.0
+    assert report["checks"]["bench"]["figures"]["texts_per_s"] > 0
+    assert report["status"] == ("pass" if report["checks"]["ordering"]["passed"] else "fail")
