@@ -11,8 +11,6 @@ manifest inside, so a killed conversion leaves nothing under the final name.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -156,28 +154,14 @@ def _steps(plan: ConversionPlan) -> list[str]:
     return [*steps, f"write conversion.json, move into {plan.output}"]
 
 
-def _quiet() -> contextlib.AbstractContextManager[Any]:
-    """mlx-lm/mlx-vlm converters print to stdout; keep it off our --json output."""
-    return contextlib.redirect_stdout(io.StringIO())
-
-
 def _run_mlx_lm(src: Path, dest: Path, plan: ConversionPlan) -> None:
+    from mlxd.engines.mlx_convert import run_converter  # engines/ alone imports MLX libraries
+
     q = plan.quantize
-    kwargs: dict[str, Any] = dict(dtype=plan.dtype, quantize=q is not None,
-                                  trust_remote_code=plan.trust_remote_code)
-    if q is not None:
-        kwargs.update(q_bits=q.bits, q_group_size=q.group_size, q_mode=q.mode)
-    with _quiet():
-        if plan.converter == "mlx-vlm":
-            from mlx_vlm import convert as vlm_convert
-
-            if q is not None:
-                kwargs.update(q_bits=q.bits or 4, q_group_size=q.group_size or 64)
-            vlm_convert(str(src), mlx_path=str(dest), **kwargs)
-        else:
-            from mlx_lm import convert as lm_convert
-
-            lm_convert(str(src), mlx_path=str(dest), **kwargs)
+    run_converter("mlx-vlm" if plan.converter == "mlx-vlm" else "mlx-lm", src, dest,
+                  dtype=plan.dtype, q_bits=q.bits if q else None,
+                  q_group_size=q.group_size if q else None, q_mode=q.mode if q else None,
+                  trust_remote_code=plan.trust_remote_code)
 
 
 def _convert_into(plan: ConversionPlan, staging: Path, progress: ProgressFn | None,
