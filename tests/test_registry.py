@@ -111,3 +111,15 @@ def test_kill_9_during_writes_always_leaves_a_valid_registry(tmp_path: Path) -> 
         data = RegistryFile(path).load()  # parses: old or new, never half
         assert data.models[0].name == "seed"
         assert yaml.safe_load(path.read_text())["models"]
+
+
+def test_generation_config_fills_unset_sampling_defaults(tmp_path: Path) -> None:
+    from mlxd.models.catalog import with_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": true}')
+    entry = ModelEntry.model_validate({"name": "m", "source": str(tmp_path),
+                                       "defaults": {"temperature": 0.1}})
+    filled = with_generation_defaults(entry, tmp_path)
+    assert (filled.defaults.temperature, filled.defaults.top_p, filled.defaults.top_k) == \
+        (0.1, 0.95, 20)

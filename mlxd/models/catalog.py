@@ -100,11 +100,34 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
                           context=context, kv_reserve_tokens=config.kv_reserve_tokens,
                           prefix_cache_bytes=prefix_cache_bytes(config, budget),
                           dtype_bytes=dtype_bytes)
+    if path is not None and path.is_dir():
+        entry = with_generation_defaults(entry, path)
     if entry.estimated_memory is not None:
         # An explicit figure covers everything; the part above the weights is the reserve.
         return Registration(entry, kind, entry.estimated_memory,
                             max(0, entry.estimated_memory - weights))
     return Registration(entry, kind, est.total, est.reserve)
+
+
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def with_generation_defaults(entry: ModelEntry, folder: Path) -> ModelEntry:
+    """Fill unset sampling defaults from the model's ``generation_config.json``
+    (as the checkpoint's authors recommend); registry values win."""
+    import json
+
+    try:
+        gen = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return entry
+    if not isinstance(gen, dict) or gen.get("do_sample") is False:
+        return entry
+    updates = {k: gen[k] for k in _GENERATION_KEYS
+               if isinstance(gen.get(k), (int, float)) and getattr(entry.defaults, k) is None}
+    if not updates:
+        return entry
+    return entry.model_copy(update={"defaults": entry.defaults.model_copy(update=updates)})
 
 
 def model_entry_from_cli(config: ServerConfig) -> ModelEntry:

