@@ -146,18 +146,33 @@ def render_qualification(console: Console, m: dict[str, Any]) -> None:
     console.print(_kv_table("figures", sorted(m.get("figures", {}).items())))
 
 
+def _facts(facts: dict[str, Any]) -> str:
+    """Scalar facts as ``key=value`` (lists joined); nested figures left to --json."""
+    parts = []
+    for key, value in sorted(facts.items()):
+        if isinstance(value, list):
+            value = ",".join(map(str, value)) or "-"
+        if value is not None and not isinstance(value, dict):
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
 def render_chain(console: Console, data: dict[str, Any]) -> None:
+    entry = dict(data["entry"])
+    q = entry.pop("qualification", None) or {}
     console.print(_kv_table(f"model {data['name']}", [
-        ("registry", data["registry"]), ("entry", data["entry"]),
-        ("manifests", data["manifest_dir"])]))
+        ("registry", data["registry"]), ("entry", entry),
+        ("qualification", f"{q.get('status')} at {q.get('finished_at')}" if q else "none"),
+        ("figures", q.get("figures")), ("manifests", data["manifest_dir"])]))
     table = Table(title="chain (newest step first)", title_justify="left")
-    for col in ("step", "status", "finished", "seconds", "facts", "manifest"):
+    for col in ("step", "status", "finished", "seconds", "facts"):
         table.add_column(col)
     for c in data["chain"]:
         table.add_row(c["step"], str(c["status"]), str(c["finished_at"])[:19],
-                      str(c["seconds"]), json.dumps(c["facts"], sort_keys=True)[:120],
-                      c["manifest"])
+                      str(c["seconds"]), _facts(c["facts"]))
     console.print(table)
+    for c in data["chain"]:
+        console.print(f"  {c['step']}: {c['manifest']}", highlight=False)
     if data["verified"]:
         if data["problems"]:
             for p in data["problems"]:
