@@ -1,8 +1,7 @@
 """``rerank_forward``: our MLX forward pass of BERT-family ``*ForSequenceClassification``.
 
-Covers the cross-encoders rerankers ship as: BERT (ms-marco-MiniLM, bge-reranker
-v1 base on BERT), RoBERTa and XLM-RoBERTa (bge-reranker-base/large,
-jina-reranker-v1-turbo's layout). Weights come straight from the safetensors
+Covers the cross-encoders rerankers ship as: BERT (cross-encoder/ms-marco-MiniLM),
+RoBERTa and XLM-RoBERTa (BAAI/bge-reranker-base/large), CamemBERT. Weights come straight from the safetensors
 files transformers writes; the module names mirror transformers' so keys map
 one to one after the body prefix (``bert.``, ``roberta.``, none...) is found.
 
@@ -31,11 +30,13 @@ import mlx.nn as nn
 
 SUPPORTED_MODEL_TYPES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta",
                          "xlm_roberta": "roberta", "camembert": "roberta"}
-ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {
-    "gelu": nn.gelu, "gelu_python": nn.gelu, "gelu_new": nn.gelu_approx,
-    "gelu_pytorch_tanh": nn.gelu_approx, "gelu_fast": nn.gelu_approx,
-    "quick_gelu": nn.gelu_fast_approx, "relu": nn.relu, "silu": nn.silu, "swish": nn.silu,
-    "tanh": mx.tanh,
+# config.json ``hidden_act`` -> the module transformers' ACT2FN computes.
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "gelu": nn.GELU, "gelu_python": nn.GELU, "gelu_new": lambda: nn.GELU(approx="precise"),
+    "gelu_pytorch_tanh": lambda: nn.GELU(approx="precise"),
+    "gelu_fast": lambda: nn.GELU(approx="precise"),
+    "quick_gelu": lambda: nn.GELU(approx="fast"), "relu": nn.ReLU, "silu": nn.SiLU,
+    "swish": nn.SiLU, "tanh": nn.Tanh,
 }
 _WORD_EMBEDDINGS = "embeddings.word_embeddings.weight"
 
@@ -165,7 +166,7 @@ class Intermediate(nn.Module):
     def __init__(self, cfg: CrossEncoderConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act = ACTIVATIONS[cfg.hidden_act]()
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.act(self.dense(x))

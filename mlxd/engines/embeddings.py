@@ -27,6 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mlxd.config import ServerConfig
+from mlxd.engines.activations import use_fast_gelu
 from mlxd.engines.pooling import (
     EmbeddingSettings,
     UnsupportedEmbeddingLayout,
@@ -94,6 +95,7 @@ class EmbeddingEngine:
         self.settings = EmbeddingSettings()
         self.dimensions = 0
         self.vocab_size = 0
+        self.fast_gelu = 0
         self.batcher: TokenBatcher | None = None
         self._model_pools = False
         self._pad_id = 0
@@ -104,6 +106,8 @@ class EmbeddingEngine:
     def load(self) -> None:
         """Load weights and tokenizer, read the pooling config, run one warm-up batch."""
         from mlx_embeddings.utils import load, load_config
+
+        from mlxd.engines.device import device_name
 
         try:
             self.model_config = load_config(self.path)
@@ -117,6 +121,8 @@ class EmbeddingEngine:
                                             "text embedding models only")
         self.model, self.tokenizer = model, tokenizer
         self._configure()
+        if device_name() == "cpu":  # erf is slow on MLX's CPU backend
+            self.fast_gelu = use_fast_gelu(model)
         self._weights_bytes = parameter_bytes(model)
         self.batcher = TokenBatcher(self._forward, token_budget=self.batch_tokens,
                                     wake=self.worker.wake)
@@ -169,7 +175,8 @@ class EmbeddingEngine:
         return {"dimensions": self.dimensions, "max_input_tokens": self.settings.max_length,
                 "pooling": "+".join(self.settings.pooling), "normalize": self.settings.normalize,
                 "matryoshka_dimensions": self.settings.matryoshka_dimensions or None,
-                "overflow": self.overflow, "batch_tokens": self.batch_tokens}
+                "overflow": self.overflow, "batch_tokens": self.batch_tokens,
+                "fast_gelu": bool(self.fast_gelu)}
 
     def stats(self) -> dict[str, Any]:
         return self.batcher.stats() if self.batcher else {}

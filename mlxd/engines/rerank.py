@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.config import ServerConfig
+from mlxd.engines.activations import use_fast_gelu
 from mlxd.engines.cross_encoder import (
     CrossEncoder,
     UnsupportedCrossEncoder,
@@ -64,6 +65,7 @@ class RerankEngine:
         self.model: CrossEncoder | None = None
         self.tokenizer: Any = None
         self.max_length = 512
+        self.fast_gelu = 0
         self.batcher: TokenBatcher | None = None
         self._pad_id = 0
         self._pair_specials = 3
@@ -87,6 +89,7 @@ class RerankEngine:
         except Exception as e:
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
         self.tokenizer = tokenizer
+        self.fast_gelu = use_fast_gelu(self.model) if device_name() == "cpu" else 0
         limit = getattr(tokenizer, "model_max_length", None)
         self.max_length = max_length_of(config, limit if isinstance(limit, int) else None)
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -120,7 +123,7 @@ class RerankEngine:
         return {"max_input_tokens": self.max_length,
                 "family": cfg.family if cfg else None,
                 "num_labels": cfg.num_labels if cfg else None,
-                "batch_tokens": self.batch_tokens}
+                "batch_tokens": self.batch_tokens, "fast_gelu": bool(self.fast_gelu)}
 
     def stats(self) -> dict[str, Any]:
         return self.batcher.stats() if self.batcher else {}
