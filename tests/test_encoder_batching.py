@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from mlxd.engines.token_batcher import Encoded, TokenBatcher, worth_padding
+from mlxd.engines.token_batcher import (
+    CPU_PADDING,
+    GPU_PADDING,
+    Encoded,
+    TokenBatcher,
+    worth_padding,
+)
 
 
 class Recorder:
@@ -56,7 +62,16 @@ def test_short_rows_are_not_padded_to_long_ones() -> None:
     batcher.submit(_inputs(256, 250, 20, 18, 240))
     _drain(batcher)
     assert forward.batches == [[256, 250, 240], [20, 18]]
-    assert worth_padding(130, 256) and not worth_padding(100, 256) and worth_padding(1, 30)
+    assert worth_padding(130, 256, GPU_PADDING) and not worth_padding(100, 256, GPU_PADDING)
+    assert worth_padding(1, 30, GPU_PADDING)
+
+
+def test_cpu_batches_pad_less_than_gpu_batches() -> None:
+    forward = Recorder()
+    batcher = TokenBatcher(forward, token_budget=10_000, padding=CPU_PADDING)
+    batcher.submit(_inputs(40, 36, 30, 25, 12, 10))
+    _drain(batcher)
+    assert forward.batches == [[40, 36], [30, 25], [12, 10]]
 
 
 def test_a_sequence_longer_than_the_budget_runs_alone() -> None:

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 
 from mlxd.config import ServerConfig
 from mlxd.engines.activations import use_fast_gelu
+from mlxd.engines.device import device_name
 from mlxd.engines.pooling import (
     EmbeddingSettings,
     UnsupportedEmbeddingLayout,
@@ -35,7 +36,7 @@ from mlxd.engines.pooling import (
     pool,
     read_settings,
 )
-from mlxd.engines.token_batcher import Encoded, TokenBatcher
+from mlxd.engines.token_batcher import Encoded, TokenBatcher, padding_policy
 from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
 
@@ -107,7 +108,6 @@ class EmbeddingEngine:
         """Load weights and tokenizer, read the pooling config, run one warm-up batch."""
         from mlx_embeddings.utils import load, load_config
 
-        from mlxd.engines.device import device_name
 
         try:
             self.model_config = load_config(self.path)
@@ -125,6 +125,7 @@ class EmbeddingEngine:
             self.fast_gelu = use_fast_gelu(model)
         self._weights_bytes = parameter_bytes(model)
         self.batcher = TokenBatcher(self._forward, token_budget=self.batch_tokens,
+                                    padding=padding_policy(device_name()),
                                     wake=self.worker.wake)
         self.dimensions = int(self._forward([self._encode_texts(["warm up"])[0]]).shape[-1])
         self.worker.set_stepper(self.batcher)

@@ -30,9 +30,10 @@ from mlxd.engines.cross_encoder import (
     load_cross_encoder,
     rerank_forward,
 )
+from mlxd.engines.device import device_name
 from mlxd.engines.embeddings import pad_batch, parameter_bytes
 from mlxd.engines.pooling import max_length_of
-from mlxd.engines.token_batcher import Encoded, TokenBatcher
+from mlxd.engines.token_batcher import Encoded, TokenBatcher, padding_policy
 from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.models.memory import read_config
@@ -77,7 +78,6 @@ class RerankEngine:
         """Load the classifier and its tokenizer; raises ``ModelLoadError`` with the reason."""
         from transformers import AutoTokenizer
 
-        from mlxd.engines.device import device_name
 
         try:
             dtype = mx.float32 if device_name() == "cpu" else None
@@ -97,6 +97,7 @@ class RerankEngine:
         self._pair_specials = int(tokenizer.num_special_tokens_to_add(pair=True))
         self._weights_bytes = parameter_bytes(self.model)
         self.batcher = TokenBatcher(self._forward, token_budget=self.batch_tokens,
+                                    padding=padding_policy(device_name()),
                                     wake=self.worker.wake)
         self._forward(self._encode_pairs("warm up", ["warm up"]))
         self.worker.set_stepper(self.batcher)
