@@ -52,7 +52,7 @@ class ServerConfig(BaseSettings):
     batching: bool = True
     max_num_seqs: int = 16
     max_queue: int = 256
-    prefill_step_size: int = 512
+    prefill_step_size: int = 2048
     prefix_cache_bytes: int | None = None
     max_context: int | None = None
     enable_prefix_cache_persist: bool = True

@@ -13,9 +13,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from mlxd.config import ServerConfig  # noqa: E402
-from tests.helpers.server import RunningServer, running_server  # noqa: E402
-from tests.helpers.tiny_models import build_llama  # noqa: E402
+from mlxd.config import ServerConfig
+from tests.helpers.server import RunningServer, running_server
+from tests.helpers.tiny_models import build_llama
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,9 +48,8 @@ def test_home(session_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from mlxd.workflow.pypi import installed_root, parse_pypi_source
-
     from mlxd.models.starter import STARTER_CHAT
+    from mlxd.workflow.pypi import installed_root, parse_pypi_source
 
     src = parse_pypi_source(STARTER_CHAT.source)
     root = installed_root(src)

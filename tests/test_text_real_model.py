@@ -23,11 +23,10 @@ def test_smollm2_answers_paris_through_the_openai_sdk(smollm2_server: RunningSer
 
 def test_greedy_continuation_matches_mlx_lm_token_for_token(
         smollm2_server: RunningServer, smollm2: Path) -> None:
+    import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
-
-    import mlx.core as mx
 
     prompt = "The three primary colors are"
     model, tok = load(str(smollm2))

@@ -30,7 +30,8 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--max-num-seqs", "max_num_seqs", {"type": int, "help": "running batch size (default 16)"}),
     ("--max-queue", "max_queue", {"type": int, "help": "queued requests before 503 (default 256)"}),
     ("--prefill-step-size", "prefill_step_size", {"type": int,
-                                                  "help": "prompt chunk size (default 512)"}),
+                                                  "help": "largest prompt chunk per step (default "
+                                                          "2048; smaller while others decode)"}),
     ("--prefix-cache-bytes", "prefix_cache_bytes", {"type": int,
                                                     "help": "prefix cache size (0 disables)"}),
     ("--max-context", "max_context", {"type": int, "help": "cap the context length"}),

@@ -91,7 +91,7 @@ class ModelEntry(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if v.strip() != v or "/" in v and v.startswith("/"):
+        if v.strip() != v or ("/" in v and v.startswith("/")):
             raise ValueError("name must not start with '/' or have surrounding spaces")
         return v
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mlxd.errors import InvalidRequest
 from mlxd.generation.events import Finish, TextDelta, TokenLogprob
 from mlxd.generation.params import GenerationRequest
+from mlxd.models.spec import ModelKind
 from mlxd.protocol.openai import CompletionRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.openai_tools import constraint
@@ -28,7 +29,6 @@ from mlxd.server.text_session import (
     stop_list,
     usage_openai,
 )
-from mlxd.models.spec import ModelKind
 
 router = APIRouter()
 ENDPOINT = "/v1/completions"
