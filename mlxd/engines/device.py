@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -21,8 +21,8 @@ def weights_nbytes(model: Any) -> int:
     """Bytes of a model's parameters."""
     from mlx.utils import tree_flatten
 
-    return sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())
-               if isinstance(v, mx.array))
+    leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    return sum(int(v.nbytes) for _, v in leaves if isinstance(v, mx.array))
 
 
 def active_memory_bytes() -> int:
