@@ -22,7 +22,17 @@ from mlxd.models.manager import ModelManager
 from mlxd.server.context import ServerContext
 from mlxd.server.errors import install_error_handlers
 from mlxd.server.middleware import AuthMiddleware, BodyLimitMiddleware
-from mlxd.server.routes import chat, completions, health, models
+from mlxd.server.routes import (
+    anthropic,
+    chat,
+    completions,
+    embeddings,
+    health,
+    metrics,
+    models,
+    rerank,
+    responses,
+)
 
 log = logging.getLogger("mlxd")
 
@@ -62,26 +72,12 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
     app = FastAPI(title="mlxd", version=__version__, lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
     install_error_handlers(app)
-    for module in (health, models, chat, completions):
+    for module in (health, models, chat, completions, responses, anthropic, embeddings, rerank,
+                   metrics):
         app.include_router(module.router)
-    _include_optional_routers(app)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins,
                            allow_methods=["*"], allow_headers=["*"])
     return app
-
-
-def _include_optional_routers(app: FastAPI) -> None:
-    """Routers of the other API families, added as their modules land."""
-    import importlib
-
-    for name in ("anthropic", "responses", "embeddings", "rerank", "metrics"):
-        try:
-            module = importlib.import_module(f"mlxd.server.routes.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"mlxd.server.routes.{name}":
-                raise
-            continue
-        app.include_router(module.router)
