@@ -157,6 +157,26 @@ async def _metrics_lines(url: str) -> list[str]:
             and any(k in line for k in ("queue", "running", "waiting", "batch"))][:20]
 
 
+def _gauge_sum(lines: list[str], name: str) -> float:
+    total = 0.0
+    for line in lines:
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return total
+
+
+async def _all_metrics(url: str) -> list[str]:
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=5.0) as client:
+            resp = await client.get(url + "/metrics")
+    except httpx.HTTPError:
+        return []
+    return resp.text.splitlines() if resp.status_code == 200 else []
+
+
 async def soak(target: Target, read_rss: Callable[[], int], concurrency: int, seconds: float,
                max_tokens: int, settle_s: float = 5.0) -> dict[str, Any]:
     """``concurrency`` closed-loop streams for ``seconds``; in-flight requests may finish
@@ -164,6 +184,7 @@ async def soak(target: Target, read_rss: Callable[[], int], concurrency: int, se
     workload = Workload(spec=PromptSpec(prompt_tokens=64, seed=13000), max_tokens=max_tokens,
                         timeout=300.0, max_duration=seconds, drain=120.0)
     rss_before = read_rss()
+    cache_before = _gauge_sum(await _all_metrics(target.url), "mlxd_prefix_cache_bytes")
     samples: list[int] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_rss(read_rss, samples, stop))
@@ -172,6 +193,11 @@ async def soak(target: Target, read_rss: Callable[[], int], concurrency: int, se
     await sampler
     await asyncio.sleep(settle_s)
     rss_after = read_rss()
+    after = await _all_metrics(target.url)
+    # The prefix cache keeps KV states on purpose (bounded by --prefix-cache-bytes);
+    # what it grew by is reported apart from what the process failed to give back.
+    cache_growth = max(0.0, _gauge_sum(after, "mlxd_prefix_cache_bytes") - cache_before)
+    rss_rest = rss_after - cache_growth
     summary = summarize_level(level)
     errors = summary["errors"]
     n503 = errors.get("503", 0)
@@ -184,4 +210,9 @@ async def soak(target: Target, read_rss: Callable[[], int], concurrency: int, se
             "rss_peak_mb": round(max(samples, default=0) / 2**20, 1),
             "rss_after_mb": round(rss_after / 2**20, 1),
             "rss_after_over_before": round(rss_after / rss_before, 3) if rss_before else None,
+            "prefix_cache_growth_mb": round(cache_growth / 2**20, 1),
+            "rss_after_without_cache_over_before": (round(rss_rest / rss_before, 3)
+                                                     if rss_before else None),
+            "running_after": _gauge_sum(after, "mlxd_requests_running") if after else None,
+            "waiting_after": _gauge_sum(after, "mlxd_requests_waiting") if after else None,
             "metrics_after": await _metrics_lines(target.url)}

@@ -90,7 +90,8 @@ def scenario_tables(results: dict[str, Any]) -> list[str]:
                         f"| {_f(i['before_p50_s'], 0, 1e3)} / {_f(i['during_p50_s'], 0, 1e3)} "
                         f"| {_errors(i)} |")
     rows += ["", "### Soak", "", "| contender | streams | seconds | sent | ok | 503 (with "
-             "Retry-After) | lost | RSS before / peak / after MB |", "|---|---|---|---|---|---|---|---|"]
+             "Retry-After) | lost | RSS before / peak / after MB | prefix cache held MB "
+             "| after without cache / before |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in results["servers"].items():
         k = s.get("soak")
         if k and k.get("error"):
@@ -99,7 +100,8 @@ def scenario_tables(results: dict[str, Any]) -> list[str]:
             rows.append(f"| {name} | {k['concurrency']} | {k['seconds']:.0f} | {k['sent']} "
                         f"| {k['ok']} | {k['http_503']} ({k['http_503_with_retry_after']}) "
                         f"| {k['lost']} | {k['rss_before_mb']} / {k['rss_peak_mb']} / "
-                        f"{k['rss_after_mb']} |")
+                        f"{k['rss_after_mb']} | {k.get('prefix_cache_growth_mb', '-')} "
+                        f"| {k.get('rss_after_without_cache_over_before', '-')} |")
     return rows
 
 
@@ -165,12 +167,16 @@ def _conversation_check(conv: dict[str, Any] | None) -> str:
 def _soak_check(k: dict[str, Any] | None) -> str:
     if not k:
         return _check(None, "soak")
+    ratio = k.get("rss_after_without_cache_over_before") or k["rss_after_over_before"]
+    drained = k.get("running_after") in (0, 0.0, None) and k.get("waiting_after") in (0, 0.0, None)
     ok = (k["lost"] == 0 and k["http_503"] == k["http_503_with_retry_after"]
-          and (k["rss_after_over_before"] or 9) <= 1.10)
+          and (ratio or 9) <= 1.10 and drained)
     return _check(ok, f"soak {k['concurrency']} streams {k['seconds']:.0f} s: lost {k['lost']}, "
                       f"503 {k['http_503']} (all with Retry-After: "
-                      f"{k['http_503'] == k['http_503_with_retry_after']}), RSS after/before "
-                      f"{k['rss_after_over_before']} (<= 1.10)")
+                      f"{k['http_503'] == k['http_503_with_retry_after']}), queue and batch empty "
+                      f"after: {drained}, RSS after/before {k['rss_after_over_before']} with the "
+                      f"prefix cache's {k.get('prefix_cache_growth_mb', '-')} MB, {ratio} "
+                      "without it (<= 1.10)")
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from typing import Any, cast
 
 import mlx.core as mx
@@ -23,6 +25,21 @@ def weights_nbytes(model: Any) -> int:
 
     leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
     return sum(int(v.nbytes) for _, v in leaves if isinstance(v, mx.array))
+
+
+def release_free_memory() -> None:
+    """Give freed memory back to the OS: MLX's buffer cache, then glibc's heap.
+
+    glibc keeps freed heap memory in its arenas (and raises its mmap threshold
+    after large frees), so without ``malloc_trim`` a burst of requests leaves the
+    process's RSS high long after the buffers are gone. Call when idle.
+    """
+    mx.clear_cache()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 def active_memory_bytes() -> int:

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     LRUPromptCache,
     can_trim_prompt_cache,
@@ -77,6 +78,9 @@ class PrefixCache:
     def insert(self, tokens: list[int], cache: list[Any]) -> None:
         if self.max_bytes <= 0 or not tokens:
             return
+        # Entries extracted from a running batch are lazy slices of the batch's
+        # whole KV buffer; evaluate them so an entry holds only its own bytes.
+        mx.eval([c.state for c in cache])
         with self._lock:
             self._cache.insert_cache(_KEY, list(tokens), cache)
 

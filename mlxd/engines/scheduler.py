@@ -23,6 +23,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 
+from mlxd.engines.device import release_free_memory
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.sampling import build_logits_processors, build_sampler
 from mlxd.errors import Overloaded
@@ -278,8 +279,8 @@ class BatchScheduler(SchedulerBase):
         if failed:
             self._remove(failed, "error")
         if not self.running:
-            # Idle: give MLX's buffer cache back so memory returns to its resting size.
-            mx.clear_cache()
+            # Idle: give freed memory back so the process returns to its resting size.
+            release_free_memory()
 
     def _prefill_chunk(self, decoding: bool) -> int:
         """Prompt tokens to process this step: all of ``--prefill-step-size`` when nothing
