@@ -76,3 +76,24 @@ def test_prefix_cache_survives_unload_and_reload(tiny_model_b: Path, tmp_path: P
     assert cached(before) == 0
     assert cached(after) == after["usage"]["prompt_tokens"] - 1
     assert after["choices"][0]["message"]["content"] == before["choices"][0]["message"]["content"]
+
+
+def test_cached_entries_hold_only_their_own_bytes(tiny_model_b: Path, test_home: Path) -> None:
+    """Entries extracted from a running batch must not pin the batch's whole KV buffer."""
+    import concurrent.futures as cf
+
+    import mlx.core as mx
+
+    cfg = ServerConfig(model=str(tiny_model_b), served_model_name="m", home=test_home,
+                       no_starter=True)
+    with running_server(cfg) as srv, srv.client() as http:
+        chat(http, [{"role": "user", "content": "warm up"}])
+        engine = srv.ctx.manager.get("m").engine
+        baseline = mx.get_active_memory() - engine.prefix_cache.nbytes
+        prompts = [[{"role": "user", "content": f"{i} " + "word " * 300}] for i in range(12)]
+        with cf.ThreadPoolExecutor(12) as pool:
+            list(pool.map(lambda m: chat(http, m, max_tokens=40), prompts))
+        held = mx.get_active_memory() - baseline
+        cached = engine.prefix_cache.nbytes
+    assert cached > 0
+    assert held <= 1.5 * cached + 8 * 2**20
