@@ -33,7 +33,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                                   "help": "largest prompt chunk per step (default "
                                                           "2048; smaller while others decode)"}),
     ("--prefix-cache-bytes", "prefix_cache_bytes", {"type": int,
-                                                    "help": "prefix cache size (0 disables)"}),
+                                                    "help": "prefix cache bytes per text model "
+                                                            "(default 5%% of the budget, at most "
+                                                            "1 GiB; 0 disables)"}),
     ("--max-context", "max_context", {"type": int, "help": "cap the context length"}),
     ("--reasoning-parser", "reasoning_parser", {"help": "think | qwen3 | deepseek_r1 | ... | none"}),
     ("--tool-call-parser", "tool_call_parser", {"help": "hermes | llama3_json | mistral | ..."}),

@@ -23,10 +23,10 @@ ProgressFactory = Callable[[str], Callable[[int, int, str], None] | None]
 
 
 def prefix_cache_bytes(config: ServerConfig, budget: int) -> int:
-    """``--prefix-cache-bytes``, or by default 10% of the memory budget (at most 2 GiB)."""
+    """``--prefix-cache-bytes``, or by default 5% of the memory budget (at most 1 GiB)."""
     if config.prefix_cache_bytes is not None:
         return max(0, config.prefix_cache_bytes)
-    return min(2 * 2**30, budget // 10)
+    return min(2**30, budget // 20)
 
 
 class EngineFactory:

@@ -45,6 +45,7 @@ def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
     engine = res.engine
     if engine is not None and res.state == State.LOADED:
         try:
+            card["measured_bytes"] = int(engine.memory_bytes())
             card.update(engine.describe())
         except Exception:
             pass
