@@ -123,3 +123,21 @@ def test_generation_config_fills_unset_sampling_defaults(tmp_path: Path) -> None
     filled = with_generation_defaults(entry, tmp_path)
     assert (filled.defaults.temperature, filled.defaults.top_p, filled.defaults.top_k) == \
         (0.1, 0.95, 20)
+
+
+def test_serve_without_arguments_adds_registered_models_to_the_starter_set(tmp_path: Path) -> None:
+    from mlxd.config import ServerConfig
+    from mlxd.models.catalog import build_catalog
+
+    home = tmp_path / "home"
+    home.mkdir()
+    model = tmp_path / "mine"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], '
+                                       '"model_type": "llama"}')
+    RegistryFile(home / "models.yaml").upsert(ModelEntry(name="mine", source=str(model)))
+    catalog = build_catalog(ServerConfig(home=home))
+    names = [r.entry.name for r in catalog.registrations]
+    assert names == ["smollm2-135m-instruct", "all-minilm-l6-v2", "mine"]
+    assert catalog.aliases["default"] == "smollm2-135m-instruct"
+    assert catalog.registry is not None and catalog.registry.path == home / "models.yaml"

@@ -145,17 +145,24 @@ def model_entry_from_cli(config: ServerConfig) -> ModelEntry:
 
 
 def build_catalog(config: ServerConfig) -> Catalog:
+    """Entries to serve: ``--models-config`` (+ MODEL); or MODEL alone; or, with neither,
+    the starter set plus whatever ``mlxd model register`` put in ``$MLXD_HOME/models.yaml``."""
     registry: RegistryFile | None = None
     data = RegistryData()
+    default_registry = config.home / "models.yaml"
     if config.models_config is not None:
         registry = RegistryFile(config.models_config)
+    elif config.model is None and default_registry.exists():
+        registry = RegistryFile(default_registry)
+    if registry is not None:
         data = registry.load()
     entries = list(data.models)
     if config.model:
         cli_entry = model_entry_from_cli(config)
         entries = [e for e in entries if e.name != cli_entry.name] + [cli_entry]
-    if not entries and not config.no_starter and config.models_config is None:
-        entries = starter_entries()
+    elif config.models_config is None and not config.no_starter:
+        names = {e.name for e in entries}
+        entries = [e for e in starter_entries() if e.name not in names] + entries
     m = data.manager
     budget = parse_budget(config.memory_budget if config.memory_budget is not None
                           else m.memory_budget)
