@@ -96,8 +96,7 @@ def test_serial_mode_gives_the_same_answers(tiny_model_b: Path, test_home: Path,
 def test_a_failing_request_does_not_end_the_others(batch_server: RunningServer) -> None:
     """A logits processor that raises (a fault injected on purpose: no HTTP request can
     cause one) fails only its own sequence; the rest of the batch goes on."""
-    from mlxd.engines.scheduler import Sequence
-    from mlxd.engines.text import _QueueSink
+    from mlxd.engines.scheduler import AsyncQueueSink, Sequence
 
     engine = batch_server.ctx.manager.get("m").engine
 
@@ -107,7 +106,7 @@ def test_a_failing_request_does_not_end_the_others(batch_server: RunningServer) 
     async def run_one(prompt: str, broken: bool) -> Finish:
         prepared = await engine.prepare(GenerationRequest(
             prompt=prompt, max_tokens=30, sampling=SamplingParams(temperature=0)))
-        sink = _QueueSink(asyncio.get_running_loop())
+        sink = AsyncQueueSink(asyncio.get_running_loop())
         engine.scheduler.submit(Sequence(
             seq_id=prompt, prompt_tokens=prepared.tokens, max_tokens=30,
             sampling=SamplingParams(temperature=0), stop_token_ids=prepared.stop_token_ids,

@@ -12,6 +12,7 @@ lock-protected queues; everything else runs on the worker thread.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -43,10 +44,42 @@ MIN_PREFILL_CHUNK = 32
 
 
 class EventSink:
-    """Where a sequence's events go; implemented by the engine's async side."""
+    """Where a sequence's events go."""
 
     def push(self, events: list[Event]) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+class AsyncQueueSink(EventSink):
+    """Events for a consumer on an asyncio event loop (the HTTP side)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+
+    def push(self, events: list[Event]) -> None:
+        deliver([(self, events)])
+
+
+def _put_all(items: list[tuple[asyncio.Queue[list[Event]], list[Event]]]) -> None:
+    for queue, events in items:
+        queue.put_nowait(events)
+
+
+def deliver(batch: list[tuple[EventSink, list[Event]]]) -> None:
+    """Hand events to their sinks: one thread hop per event loop per step, however
+    many sequences the step advanced (each hop wakes the loop and costs CPU)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+    for sink, events in batch:
+        if isinstance(sink, AsyncQueueSink):
+            by_loop.setdefault(sink.loop, []).append((sink.queue, events))
+        else:
+            sink.push(events)
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # loop closed: its clients are long gone
+            pass
 
 
 @dataclass
@@ -88,6 +121,7 @@ class SchedulerBase:
         self.running: dict[int, Sequence] = {}
         self.steps = 0
         self.closed = False
+        self._outbox: list[tuple[EventSink, list[Event]]] = []
 
     # -- called from the event loop ---------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -135,13 +169,28 @@ class SchedulerBase:
                 self._finish_unstarted(seq)
             return admitted, cancelled
 
-    @staticmethod
-    def _finish_unstarted(seq: Sequence) -> None:
-        seq.sink.push(seq.pipeline.finish("cancelled"))
+    def _finish_unstarted(self, seq: Sequence) -> None:
+        self._emit(seq, seq.pipeline.finish("cancelled"))
 
     def _emit(self, seq: Sequence, events: list[Event]) -> None:
         if events:
-            seq.sink.push(events)
+            self._outbox.append((seq.sink, events))
+
+    def _flush(self) -> None:
+        """Deliver what this step produced (called at the end of every step)."""
+        if self._outbox:
+            outbox, self._outbox = self._outbox, []
+            deliver(outbox)
+
+    def step(self) -> None:
+        """Advance every running sequence by one token (worker thread)."""
+        try:
+            self._step()
+        finally:
+            self._flush()
+
+    def _step(self) -> None:  # pragma: no cover - implemented by subclasses
+        raise NotImplementedError
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self._emit(seq, seq.pipeline.finish(reason, error))
@@ -196,6 +245,7 @@ class SchedulerBase:
         for seq in admitted:
             self._finish(seq, "error", message)
         self._reset_after_failure()
+        self._flush()
 
     def _reset_after_failure(self) -> None:
         pass
@@ -210,6 +260,7 @@ class SchedulerBase:
         admitted, _ = self._take(1 << 30)
         for seq in admitted:
             self._finish(seq, "cancelled", "model unloaded")
+        self._flush()
 
 
 class BatchScheduler(SchedulerBase):
@@ -234,7 +285,7 @@ class BatchScheduler(SchedulerBase):
             max_tokens=1,
             stop_tokens=[[t] for t in self._eos],
             completion_batch_size=self.max_num_seqs,
-            prefill_batch_size=min(8, self.max_num_seqs),
+            prefill_batch_size=self.max_num_seqs,
             prefill_step_size=self.prefill_step_size,
             stream=mx.default_stream(mx.default_device()),
         )
@@ -242,7 +293,7 @@ class BatchScheduler(SchedulerBase):
     def _reset_after_failure(self) -> None:
         self._gen = self._new_generator()
 
-    def step(self) -> None:
+    def _step(self) -> None:
         admitted, cancelled = self._take(self.max_num_seqs - len(self.running))
         if cancelled:
             self._remove([s for s in self.running.values() if s.seq_id in cancelled], "cancelled")
@@ -366,7 +417,7 @@ class SerialScheduler(SchedulerBase):
         self.prefill_step_size = prefill_step_size
         self._current: tuple[Sequence, Iterator[tuple[Any, Any]], list[Any]] | None = None
 
-    def step(self) -> None:
+    def _step(self) -> None:
         admitted, cancelled = self._take(0 if self._current else 1)
         if self._current and self._current[0].seq_id in cancelled:
             seq = self._current[0]

@@ -21,8 +21,8 @@ import mlx.core as mx
 from mlxd.engines.device import weights_nbytes
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.scheduler import (
+    AsyncQueueSink,
     BatchScheduler,
-    EventSink,
     SchedulerBase,
     Sequence,
     SerialScheduler,
@@ -80,20 +80,6 @@ class PreparedPrompt:
     tool_format: ToolCallFormat | None
     grammar: str | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-class _QueueSink(EventSink):
-    """Delivers events from the worker thread to an asyncio queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
-
-    def push(self, events: list[Event]) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, events)
-        except RuntimeError:  # loop closed: the client is long gone
-            pass
 
 
 def context_length_of(config: dict[str, Any], tokenizer: Any = None) -> int:
@@ -352,7 +338,7 @@ class MLXLanguageModel:
         sampling = req.sampling
         if seed_offset and sampling.seed is not None:
             sampling = replace(sampling, seed=sampling.seed + seed_offset)
-        sink = _QueueSink(asyncio.get_running_loop())
+        sink = AsyncQueueSink(asyncio.get_running_loop())
         seq = Sequence(
             seq_id=prepared.id + uuid.uuid4().hex[:8], prompt_tokens=prepared.tokens,
             max_tokens=prepared.max_tokens, sampling=sampling,
