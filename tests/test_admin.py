@@ -97,3 +97,13 @@ def _quiet_post(url: str, body: dict) -> None:
         httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     except httpx.HTTPError:
         pass
+
+
+def test_serving_a_hub_id_offline_is_a_clear_error_naming_it(tmp_path: Path) -> None:
+    env = {**os.environ, "MLXD_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "mlxd", "serve", "some-org/some-model",
+                        "--port", str(free_port())], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    out = " ".join((r.stdout + r.stderr).split())
+    assert "some-org/some-model" in out and "cannot download" in out

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from mlxd.config import ServerConfig
-from mlxd.models.detection import DetectionError, detect, kind_from_name
+from mlxd.models.detection import Detection, DetectionError, detect, kind_from_name
 from mlxd.models.manager import ManagerPolicy, Registration
 from mlxd.models.memory import estimate_memory, parse_budget, read_config, weights_bytes_of_folder
 from mlxd.models.registry import RegistryData, RegistryFile
@@ -64,6 +64,18 @@ def _gguf_weights(path: Path, dtype_bytes: int) -> tuple[int, dict[str, int]]:
     return g.parameter_count() * dtype_bytes, {k: v for k, v in cfg.items() if v is not None}
 
 
+def _detect_remote(entry: ModelEntry) -> Detection:
+    """A hub id: its ``config.json`` when the hub answers, else the name, else text."""
+    if entry.kind is None and looks_like_hub_id(entry.source):
+        from mlxd.workflow.hub import fetch_json
+
+        config = fetch_json(entry.source, "config.json", entry.revision)
+        if config:
+            return detect(None, config=config, name=entry.source)
+    kind = entry.kind or kind_from_name(entry.name) or kind_from_name(entry.source)
+    return detect(None, explicit=kind or ModelKind.TEXT, name=entry.name)
+
+
 def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Registration:
     """Kind and memory estimate of one entry, from the files when they are here."""
     path = local_path_of(entry, config.home)
@@ -75,10 +87,7 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
         if path is not None:
             detection = detect(path, explicit=entry.kind, name=entry.name)
         else:
-            by_name = entry.kind or kind_from_name(entry.name) or kind_from_name(entry.source)
-            if by_name is None:
-                by_name = ModelKind.TEXT  # a hub id with no other evidence: a causal LM
-            detection = detect(None, explicit=by_name, name=entry.name)
+            detection = _detect_remote(entry)
     except DetectionError as e:
         raise CatalogError(f"model '{entry.name}': {e}") from None
     kind = detection.kind

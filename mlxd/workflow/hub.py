@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.models.detection import DetectionError, classify_config
-from mlxd.workflow.sources import WorkflowError, hub_offline, hub_unreachable
+from mlxd.workflow.sources import WorkflowError, hub_offline, hub_reachable, hub_unreachable
 
 _COMMON = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "*.jinja",
@@ -36,6 +36,8 @@ ALLOW_PATTERNS: dict[str, list[str]] = {
 def _check_online(repo_id: str) -> None:
     if hub_offline():
         raise hub_unreachable(repo_id)
+    if not hub_reachable():
+        raise hub_unreachable(repo_id, ConnectionError("no connection to the hub"))
 
 
 def model_info(repo_id: str, revision: str | None = None) -> Any:
@@ -53,6 +55,8 @@ def fetch_json(repo_id: str, filename: str, revision: str | None) -> dict[str, A
     """One small JSON file of a repository ({} when it has none)."""
     from huggingface_hub import hf_hub_download
 
+    if not hub_reachable():
+        return {}
     try:
         path = hf_hub_download(repo_id, filename, revision=revision)
     except Exception:

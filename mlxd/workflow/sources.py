@@ -73,6 +73,28 @@ def hub_offline() -> bool:
         return True
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """False when HF_HUB_OFFLINE is set or the hub's host does not answer at all.
+
+    A quick TCP probe: huggingface_hub retries a dead network for ~20 s per file,
+    which would stall server startup for every hub entry on an offline machine.
+    """
+    if hub_offline():
+        return False
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def hub_unreachable(repo_id: str, error: Exception | None = None) -> WorkflowError:
     """The error for a hub id that cannot be reached, naming the id and the way out."""
     why = f" ({type(error).__name__}: {error})" if error is not None else \
