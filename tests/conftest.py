@@ -7,6 +7,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,3 +92,28 @@ def fresh_home(tmp_path: Path) -> Iterator[Path]:
     home.mkdir()
     yield home
     shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def agent_model(session_dir: Path) -> Path:
+    """A tiny Llama whose tokenizer has <think>/<tool_call> added tokens (Qwen-like)."""
+    from tests.helpers.scripted_engine import build_agent_model
+
+    return build_agent_model(session_dir / "agent-llama")
+
+
+@pytest.fixture(scope="module")
+def agent(agent_model: Path, test_home: Path) -> Iterator[tuple[RunningServer, Any]]:
+    """A server on the agent model whose generations a test can script (real pipeline)."""
+    from tests.helpers.scripted_engine import scripted_server
+
+    with scripted_server(agent_model, test_home, "agent", enable_prefix_cache_persist=False,
+                         response_store_max=50) as pair:
+        yield pair
+
+
+@pytest.fixture
+def loader(agent: tuple[RunningServer, Any]) -> Iterator[Any]:
+    """The scripted loader; its reply is reset after each test."""
+    yield agent[1]
+    agent[1].reply = None

@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.helpers.scripted_engine import ScriptedLoader, build_agent_model, scripted_server
+from tests.helpers.scripted_engine import ScriptedLoader, scripted_server
 from tests.helpers.server import RunningServer
 
 MODEL = "agent"
@@ -28,19 +28,6 @@ WEATHER = {"name": "get_weather", "description": "Weather for a city.",
                             "required": ["city", "metric"], "additionalProperties": False}}
 THINK_TEXT_CALL = ('<think>Need weather.</think>Let me check.<tool_call>{"name": "get_weather", '
                    '"arguments": {"city": "Paris", "metric": true}}</tool_call>')
-
-
-@pytest.fixture(scope="module")
-def agent(session_dir: Path, test_home: Path) -> Iterator[tuple[RunningServer, ScriptedLoader]]:
-    model = build_agent_model(session_dir / "agent-llama")
-    with scripted_server(model, test_home, MODEL, enable_prefix_cache_persist=False) as pair:
-        yield pair
-
-
-@pytest.fixture
-def loader(agent: tuple[RunningServer, ScriptedLoader]) -> Iterator[ScriptedLoader]:
-    yield agent[1]
-    agent[1].reply = None
 
 
 @pytest.fixture(scope="module")
@@ -381,9 +368,8 @@ def test_malformed_json_is_a_400_in_anthropic_shape(http: httpx.Client) -> None:
     assert_anthropic_error(r, 400, "invalid_request_error", "not valid JSON")
 
 
-def test_x_api_key_and_anthropic_version_headers(session_dir: Path, test_home: Path) -> None:
-    model = build_agent_model(session_dir / "agent-llama")
-    with scripted_server(model, test_home, MODEL, api_key="sekret",
+def test_x_api_key_and_anthropic_version_headers(agent_model: Path, test_home: Path) -> None:
+    with scripted_server(agent_model, test_home, MODEL, api_key="sekret",
                          enable_prefix_cache_persist=False) as (srv, _):
         good = anthropic.Anthropic(base_url=srv.url, api_key="sekret", max_retries=0)
         assert good.messages.create(model=MODEL, max_tokens=2, messages=HI).type == "message"

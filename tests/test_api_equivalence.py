@@ -11,15 +11,14 @@ render the same prompt.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
 import pytest
 from openai import OpenAI
 
-from tests.helpers.scripted_engine import ScriptedLoader, build_agent_model, scripted_server
+from tests.helpers.scripted_engine import ScriptedLoader
 from tests.helpers.server import RunningServer
 
 MODEL = "agent"
@@ -40,19 +39,6 @@ SCRIPTS = {
 }
 
 Seen = dict[str, Any]  # {"reasoning", "content", "calls", "finish"}
-
-
-@pytest.fixture(scope="module")
-def agent(session_dir: Path, test_home: Path) -> Iterator[tuple[RunningServer, ScriptedLoader]]:
-    model = build_agent_model(session_dir / "agent-llama")
-    with scripted_server(model, test_home, MODEL, enable_prefix_cache_persist=False) as pair:
-        yield pair
-
-
-@pytest.fixture
-def loader(agent: tuple[RunningServer, ScriptedLoader]) -> Iterator[ScriptedLoader]:
-    yield agent[1]
-    agent[1].reply = None
 
 
 @pytest.fixture(scope="module")

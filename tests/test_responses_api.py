@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 from openai import OpenAI
 
 from mlxd.server.response_store import ResponseStore
-from tests.helpers.scripted_engine import ScriptedLoader, build_agent_model, scripted_server
+from tests.helpers.scripted_engine import ScriptedLoader
 from tests.helpers.server import RunningServer
 
 MODEL = "agent"
@@ -28,20 +27,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather fo
                           "required": ["city"], "additionalProperties": False}}
 THINK_TEXT_CALL = ('<think>Need weather.</think>Let me check.<tool_call>{"name": "get_weather", '
                    '"arguments": {"city": "Paris"}}</tool_call>')
-
-
-@pytest.fixture(scope="module")
-def agent(session_dir: Path, test_home: Path) -> Iterator[tuple[RunningServer, ScriptedLoader]]:
-    model = build_agent_model(session_dir / "agent-llama")
-    with scripted_server(model, test_home, MODEL, enable_prefix_cache_persist=False,
-                         response_store_max=50) as pair:
-        yield pair
-
-
-@pytest.fixture
-def loader(agent: tuple[RunningServer, ScriptedLoader]) -> Iterator[ScriptedLoader]:
-    yield agent[1]
-    agent[1].reply = None
 
 
 @pytest.fixture(scope="module")

@@ -160,14 +160,12 @@ def test_smollm2_answers_a_json_schema_request_with_valid_json(
     assert "Paris" in doc["city"]
 
 
-def test_forced_call_works_when_the_markers_are_added_tokens(session_dir, test_home) -> None:
+def test_forced_call_works_when_the_markers_are_added_tokens(agent_model, test_home) -> None:
     """Qwen-style tokenizers make <tool_call> one added token; the grammar must use its id."""
     from mlxd.config import ServerConfig
-    from tests.helpers.scripted_engine import build_agent_model
     from tests.helpers.server import running_server
 
-    model = build_agent_model(session_dir / "agent-model-forced")
-    cfg = ServerConfig(model=str(model), served_model_name="m", home=test_home, no_starter=True)
+    cfg = ServerConfig(model=str(agent_model), served_model_name="m", home=test_home, no_starter=True)
     with running_server(cfg) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         for seed in range(5):

@@ -24,11 +24,10 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 
 from mlxd.config import ServerConfig
 from mlxd.engines.activations import use_fast_gelu
-from mlxd.engines.device import device_name
+from mlxd.engines.device import device_name, weights_nbytes
 from mlxd.engines.pooling import (
     EmbeddingSettings,
     UnsupportedEmbeddingLayout,
@@ -62,12 +61,6 @@ def pad_batch(batch: Sequence[Encoded], pad_id: int) -> tuple[mx.array, mx.array
         if item.token_type_ids is not None:
             types[row, :n] = item.token_type_ids
     return mx.array(ids), mx.array(mask), mx.array(types)
-
-
-def parameter_bytes(model: Any) -> int:
-    """Bytes held by a model's parameters."""
-    params: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    return sum(int(v.nbytes) for _, v in params)
 
 
 def truncate_dimensions(vectors: np.ndarray, dimensions: int, renormalize: bool) -> np.ndarray:
@@ -123,7 +116,7 @@ class EmbeddingEngine:
         self._configure()
         if device_name() == "cpu":  # erf is slow on MLX's CPU backend
             self.fast_gelu = use_fast_gelu(model)
-        self._weights_bytes = parameter_bytes(model)
+        self._weights_bytes = weights_nbytes(model)
         self.batcher = TokenBatcher(self._forward, token_budget=self.batch_tokens,
                                     padding=padding_policy(device_name()),
                                     wake=self.worker.wake)

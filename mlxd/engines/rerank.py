@@ -30,8 +30,8 @@ from mlxd.engines.cross_encoder import (
     load_cross_encoder,
     rerank_forward,
 )
-from mlxd.engines.device import device_name
-from mlxd.engines.embeddings import pad_batch, parameter_bytes
+from mlxd.engines.device import device_name, weights_nbytes
+from mlxd.engines.embeddings import pad_batch
 from mlxd.engines.pooling import max_length_of
 from mlxd.engines.token_batcher import Encoded, TokenBatcher, padding_policy
 from mlxd.engines.worker import ModelWorker
@@ -95,7 +95,7 @@ class RerankEngine:
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else self.model.config.pad_token_id
         self._pair_specials = int(tokenizer.num_special_tokens_to_add(pair=True))
-        self._weights_bytes = parameter_bytes(self.model)
+        self._weights_bytes = weights_nbytes(self.model)
         self.batcher = TokenBatcher(self._forward, token_budget=self.batch_tokens,
                                     padding=padding_policy(device_name()),
                                     wake=self.worker.wake)
