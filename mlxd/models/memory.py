@@ -9,12 +9,12 @@ measured figure.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxd.jsonfile import read_json_object
 from mlxd.models.spec import ModelKind, parse_size
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
@@ -125,8 +125,4 @@ def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((Path(folder) / "config.json").read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return read_json_object(Path(folder) / "config.json")

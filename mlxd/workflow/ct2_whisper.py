@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxd.jsonfile import read_json_object
 from mlxd.workflow.staging import staged_folder
 
 SUPPORTED_VERSIONS = (5, 6)
@@ -249,7 +250,7 @@ def write_whisper_folder(src: Path, folder: Path, *, dtype: str = "float16",
     weights = {k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in weights.items()}
     save_file(weights, str(folder / "weights.safetensors"), metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps({**dims, "model_type": "whisper"}, indent=2))
-    ct2_cfg = _read_json(src / "config.json")
+    ct2_cfg = read_json_object(src / "config.json")
     if ct2_cfg.get("alignment_heads") is not None:
         (folder / "alignment_heads.json").write_text(json.dumps(ct2_cfg["alignment_heads"]))
     for name in COPIED_FILES:
@@ -271,9 +272,3 @@ def convert_ct2_whisper(src: Path, out: Path, *, dtype: str = "float16", force: 
     return result
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -11,12 +11,12 @@ applies, and whether it fits the configured memory budget.
 from __future__ import annotations
 
 import importlib.util
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mlxd.config import ServerConfig
+from mlxd.jsonfile import read_json_object
 from mlxd.models.detection import (
     DetectionError,
     detect_path,
@@ -41,14 +41,6 @@ def unsupported(path: Path) -> WorkflowError:
     """The error for a file or folder no inspector understands."""
     return WorkflowError(f"{path}: unknown model format. Supported: "
                          + "; ".join(SUPPORTED_INPUTS))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _loader_has(package: str, model_type: str, needle: str | None = None) -> bool:
@@ -159,7 +151,7 @@ def _conversion_verdict(kind: str | None, summary: wi.TensorSummary, config: dic
 
 def inspect_hf_folder(folder: Path, kind: str | None) -> Report:
     """Facts of a Hugging Face / MLX folder from config.json and safetensors headers."""
-    config = _read_json(folder / "config.json")
+    config = read_json_object(folder / "config.json")
     sub = config.get("text_config")
     text_cfg: dict[str, Any] = sub if isinstance(sub, dict) else {}
     files = sorted(folder.glob("*.safetensors"))
@@ -168,7 +160,7 @@ def inspect_hf_folder(folder: Path, kind: str | None) -> Report:
     context = next((src[k] for src in (config, text_cfg) for k in (
         "max_position_embeddings", "n_positions", "max_sequence_length", "n_text_ctx",
         "seq_length") if isinstance(src.get(k), int)), None)
-    st_cfg = _read_json(folder / "sentence_bert_config.json")
+    st_cfg = read_json_object(folder / "sentence_bert_config.json")
     return {
         "format": "mlx" if summary.file_format == "mlx" else "safetensors",
         "architecture": (config.get("architectures") or [None])[0], "model_type": model_type,
