@@ -45,14 +45,13 @@ def test_greedy_continuation_matches_mlx_lm_token_for_token(
 def test_starter_entry_answers_paris_with_its_serving_defaults(smollm2: Path) -> None:
     """A client that sends no sampling fields gets the starter entry's defaults."""
     from mlxd.config import ServerConfig
+    from mlxd.models.catalog import Catalog, registration_for
+    from mlxd.models.manager import ManagerPolicy
     from mlxd.models.starter import STARTER_CHAT
     from tests.helpers.server import running_server
 
     assert STARTER_CHAT.defaults.temperature == 0.0
     entry = STARTER_CHAT.model_copy(update={"source": str(smollm2)})
-    from mlxd.models.catalog import Catalog, registration_for
-    from mlxd.models.manager import ManagerPolicy
-
     cfg = ServerConfig(no_starter=True, home=smollm2.parent)
     catalog = Catalog([registration_for(entry, cfg, 8 * 2**30)], ManagerPolicy(8 * 2**30),
                       aliases={"default": entry.name})
