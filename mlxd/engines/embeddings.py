@@ -15,9 +15,7 @@ batches, and no model code runs on the event loop.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,8 @@ import numpy as np
 
 from mlxd.config import ServerConfig
 from mlxd.engines.activations import use_fast_gelu
-from mlxd.engines.device import device_name, weights_nbytes
+from mlxd.engines.device import device_name
+from mlxd.engines.encoder import BatchedEncoder
 from mlxd.engines.pooling import (
     EmbeddingSettings,
     UnsupportedEmbeddingLayout,
@@ -35,7 +34,7 @@ from mlxd.engines.pooling import (
     pool,
     read_settings,
 )
-from mlxd.engines.token_batcher import Encoded, TokenBatcher, padding_policy
+from mlxd.engines.token_batcher import Encoded
 from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
 
@@ -72,29 +71,19 @@ def truncate_dimensions(vectors: np.ndarray, dimensions: int, renormalize: bool)
     return cut
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(BatchedEncoder):
     """An embedding model served through batched forward passes on its worker thread."""
 
     kind = "embedding"
 
     def __init__(self, name: str, path: Path, worker: ModelWorker, config: ServerConfig) -> None:
-        self.name = name
-        self.path = Path(path)
-        self.worker = worker
+        super().__init__(name, path, worker, config)
         self.overflow = config.embedding_overflow
-        self.batch_tokens = config.encoder_batch_tokens
-        self.model: Any = None
-        self.tokenizer: Any = None
         self.model_config: dict[str, Any] = {}
         self.settings = EmbeddingSettings()
         self.dimensions = 0
         self.vocab_size = 0
-        self.fast_gelu = 0
-        self.batcher: TokenBatcher | None = None
         self._model_pools = False
-        self._pad_id = 0
-        self._weights_bytes = 0
-        self._tokenizer_lock = threading.Lock()  # HF tokenizers mutate truncation state
 
     # -- lifecycle (worker thread) -----------------------------------------------
     def load(self) -> None:
@@ -116,12 +105,8 @@ class EmbeddingEngine:
         self._configure()
         if device_name() == "cpu":  # erf is slow on MLX's CPU backend
             self.fast_gelu = use_fast_gelu(model)
-        self._weights_bytes = weights_nbytes(model)
-        self.batcher = TokenBatcher(self._forward, token_budget=self.batch_tokens,
-                                    padding=padding_policy(device_name()),
-                                    wake=self.worker.wake)
-        self.dimensions = int(self._forward([self._encode_texts(["warm up"])[0]]).shape[-1])
-        self.worker.set_stepper(self.batcher)
+        warm = self._start_batching(self._forward, [self._encode_texts(["warm up"])[0]])
+        self.dimensions = int(warm.shape[-1])
         log.info("embedding model %s: %d dims, pooling %s, normalize %s, max %d tokens",
                  self.name, self.dimensions, "+".join(self.settings.pooling),
                  self.settings.normalize, self.settings.max_length)
@@ -151,29 +136,13 @@ class EmbeddingEngine:
         self._pad_id = int(pad) if isinstance(pad, int) else 0
         self.vocab_size = max(len(self.tokenizer), int(self.model_config.get("vocab_size") or 0))
 
-    def close(self) -> None:
-        """Fail queued work, drop the weights."""
-        if self.batcher is not None:
-            self.batcher.close()
-        self.worker.set_stepper(None)
-        self.batcher = None
-        self.model = None
-        gc.collect()
-        mx.clear_cache()
-
     # -- facts ----------------------------------------------------------------------
-    def memory_bytes(self) -> int:
-        return self._weights_bytes
-
     def describe(self) -> dict[str, Any]:
         return {"dimensions": self.dimensions, "max_input_tokens": self.settings.max_length,
                 "pooling": "+".join(self.settings.pooling), "normalize": self.settings.normalize,
                 "matryoshka_dimensions": self.settings.matryoshka_dimensions or None,
                 "overflow": self.overflow, "batch_tokens": self.batch_tokens,
                 "fast_gelu": bool(self.fast_gelu)}
-
-    def stats(self) -> dict[str, Any]:
-        return self.batcher.stats() if self.batcher else {}
 
     # -- forward pass (worker thread) ------------------------------------------------------
     def _forward(self, batch: Sequence[Encoded]) -> np.ndarray:
@@ -256,11 +225,8 @@ class EmbeddingEngine:
 
     async def embed(self, encoded: list[Encoded], dimensions: int | None = None) -> np.ndarray:
         """Embeddings of ``encoded`` as a float32 (n, dims) array, batched with other requests."""
-        if self.batcher is None:
-            raise InvalidRequest(f"Model '{self.name}' is not loaded.")
         self.check_dimensions(dimensions)
-        job = self.batcher.submit(encoded)
-        vectors = await asyncio.wrap_future(job.future)
+        vectors = await self._run(encoded)
         if dimensions is not None and dimensions < vectors.shape[-1]:
             vectors = truncate_dimensions(vectors, dimensions, self.settings.normalize)
         return vectors

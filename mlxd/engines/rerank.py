@@ -12,9 +12,7 @@ for one label, softmax probability of label 1 for two.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,10 +28,11 @@ from mlxd.engines.cross_encoder import (
     load_cross_encoder,
     rerank_forward,
 )
-from mlxd.engines.device import device_name, weights_nbytes
+from mlxd.engines.device import device_name
 from mlxd.engines.embeddings import pad_batch
+from mlxd.engines.encoder import BatchedEncoder
 from mlxd.engines.pooling import max_length_of
-from mlxd.engines.token_batcher import Encoded, TokenBatcher, padding_policy
+from mlxd.engines.token_batcher import Encoded
 from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.models.memory import read_config
@@ -53,25 +52,16 @@ def relevance_scores(logits: np.ndarray) -> np.ndarray:
     return probs[:, 1].astype(np.float32)
 
 
-class RerankEngine:
+class RerankEngine(BatchedEncoder):
     """A cross-encoder reranker served through batched forward passes on its worker thread."""
 
     kind = "rerank"
 
     def __init__(self, name: str, path: Path, worker: ModelWorker, config: ServerConfig) -> None:
-        self.name = name
-        self.path = Path(path)
-        self.worker = worker
-        self.batch_tokens = config.encoder_batch_tokens
+        super().__init__(name, path, worker, config)
         self.model: CrossEncoder | None = None
-        self.tokenizer: Any = None
         self.max_length = 512
-        self.fast_gelu = 0
-        self.batcher: TokenBatcher | None = None
-        self._pad_id = 0
         self._pair_specials = 3
-        self._weights_bytes = 0
-        self._tokenizer_lock = threading.Lock()  # HF tokenizers mutate truncation state
 
     # -- lifecycle (worker thread) ----------------------------------------------------
     def load(self) -> None:
@@ -95,39 +85,18 @@ class RerankEngine:
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else self.model.config.pad_token_id
         self._pair_specials = int(tokenizer.num_special_tokens_to_add(pair=True))
-        self._weights_bytes = weights_nbytes(self.model)
-        self.batcher = TokenBatcher(self._forward, token_budget=self.batch_tokens,
-                                    padding=padding_policy(device_name()),
-                                    wake=self.worker.wake)
-        self._forward(self._encode_pairs("warm up", ["warm up"]))
-        self.worker.set_stepper(self.batcher)
+        self._start_batching(self._forward, self._encode_pairs("warm up", ["warm up"]))
         log.info("rerank model %s: %s head, %d label(s), max %d tokens", self.name,
                  "two-layer" if self.model.two_layer_head else "pooler + linear",
                  self.model.config.num_labels, self.max_length)
 
-    def close(self) -> None:
-        """Fail queued work, drop the weights."""
-        if self.batcher is not None:
-            self.batcher.close()
-        self.worker.set_stepper(None)
-        self.batcher = None
-        self.model = None
-        gc.collect()
-        mx.clear_cache()
-
     # -- facts --------------------------------------------------------------------------
-    def memory_bytes(self) -> int:
-        return self._weights_bytes
-
     def describe(self) -> dict[str, Any]:
         cfg = self.model.config if self.model is not None else None
         return {"max_input_tokens": self.max_length,
                 "family": cfg.family if cfg else None,
                 "num_labels": cfg.num_labels if cfg else None,
                 "batch_tokens": self.batch_tokens, "fast_gelu": bool(self.fast_gelu)}
-
-    def stats(self) -> dict[str, Any]:
-        return self.batcher.stats() if self.batcher else {}
 
     # -- forward pass (worker thread) -------------------------------------------------------
     def _forward(self, batch: Sequence[Encoded]) -> np.ndarray:
@@ -160,10 +129,7 @@ class RerankEngine:
 
     async def logits(self, encoded: list[Encoded]) -> np.ndarray:
         """Classifier logits (n, num_labels), batched with other requests' pairs."""
-        if self.batcher is None:
-            raise InvalidRequest(f"Model '{self.name}' is not loaded.")
-        job = self.batcher.submit(encoded)
-        return await asyncio.wrap_future(job.future)
+        return await self._run(encoded)
 
     async def score(self, encoded: list[Encoded]) -> np.ndarray:
         """Relevance scores in [0, 1], one per pair, in order."""
