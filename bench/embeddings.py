@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.servers import subprocess_env
+from bench.servers import machine, subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDING_MODEL = "all-minilm-l6-v2"
@@ -117,29 +116,6 @@ def minilm_folder(home: Path) -> Path:
     from mlxd.workflow.pypi import resolve_pypi
 
     return Path(resolve_pypi(STARTER_EMBEDDING.source, home))
-
-
-def environment(blas: str) -> dict[str, Any]:
-    """CPU, cores, BLAS and the versions of every library measured."""
-    import platform
-    from importlib import metadata
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions: dict[str, str | None] = {}
-    for dist in ("mlx", "mlx-embeddings", "mlxd", "torch", "sentence-transformers",
-                 "transformers"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "blas": blas, "versions": versions}
 
 
 # -- contenders ------------------------------------------------------------------------------
@@ -329,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "quick" if args.quick else "full",
         "started_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "python -m bench.embeddings" + (" --quick" if args.quick else ""),
-        "environment": environment(blas), "sizes": sizes.__dict__, "runs": {}}
+        "environment": machine(blas, ("mlx", "mlx-embeddings", "mlxd", "torch",
+                                      "sentence-transformers", "transformers")),
+        "sizes": sizes.__dict__, "runs": {}}
     print(f"BLAS: {blas}", flush=True)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

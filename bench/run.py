@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from bench.servers import (
     ServerProcess,
     ServerSpec,
     free_port,
+    machine,
     mlx_lm_spec,
     mlxd_spec,
     rss_bytes,
@@ -70,25 +68,6 @@ FULL = Sizes()
 QUICK = Sizes(levels=(1, 8), requests_per_stream=1, min_requests=2, max_tokens=32,
               level_seconds=120.0, prefix_repeats=1, turns=3, itl_tokens=48, soak_seconds=15.0,
               soak_tokens=16)
-
-
-def environment(folder: Path, blas: str) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions: dict[str, str | None] = {}
-    for dist in ("mlx", "mlx-lm", "mlxd"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            versions[dist] = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "blas": blas, "model": folder.name,
-            "python": platform.python_version(), "versions": versions}
 
 
 def run_raw(folder: Path, sizes: Sizes, env: dict[str, str], log_dir: Path) -> dict[str, Any]:
@@ -222,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "mode": "quick" if args.quick else "full",
         "started_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "environment": environment(folder, blas), "sizes": asdict(sizes),
+        "environment": {**machine(blas, ("mlx", "mlx-lm", "mlxd")), "model": folder.name},
+        "sizes": asdict(sizes),
         "workload": f"{sizes.prompt_tokens}-token prompts, {sizes.max_tokens} output tokens, "
                     "temperature 0, streamed", "servers": {}}
     print(f"model {folder}\nBLAS: {blas}", flush=True)

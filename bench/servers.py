@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -189,3 +190,26 @@ def subprocess_env(mode: str) -> tuple[dict[str, str], str]:
     if plan.library:
         return env, f"OpenBLAS preloaded ({plan.library})"
     return env, "reference BLAS of the mlx-cpu wheel (no OpenBLAS)"
+
+
+def machine(blas: str, dists: tuple[str, ...]) -> dict[str, Any]:
+    """CPU model, cores, Python, BLAS and the versions of ``dists`` (None when absent)."""
+    import platform
+    from importlib import metadata
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions: dict[str, str | None] = {}
+    for dist in dists:
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "blas": blas,
+            "python": platform.python_version(), "versions": versions}
