@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+LOGPROB_FLOOR = -9999.0
+"""The log-probability reported for a token the sampled distribution rules out
+(masked by constrained decoding or ``logit_bias``, or made non-finite by an
+extreme penalty): OpenAI's and vLLM's value. JSON has no ``-Infinity``/``NaN``."""
+
+
+def finite_logprob(value: float) -> float:
+    """``value`` as a reportable log-probability: within ``[LOGPROB_FLOOR, 0]``, never NaN."""
+    if math.isnan(value) or value < LOGPROB_FLOOR:
+        return LOGPROB_FLOOR
+    return min(value, 0.0)
 
 
 @dataclass(frozen=True)
@@ -10,6 +23,10 @@ class TopLogprob:
     token: str
     logprob: float
     bytes: list[int]
+
+    def __post_init__(self) -> None:
+        # Every producer (scheduler, prompt logprobs, later engines) goes through here.
+        object.__setattr__(self, "logprob", finite_logprob(self.logprob))
 
 
 @dataclass(frozen=True)
@@ -21,6 +38,10 @@ class TokenLogprob:
     logprob: float
     bytes: list[int]
     top: list[TopLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.logprob is not None:  # None: echo's first prompt token has none
+            object.__setattr__(self, "logprob", finite_logprob(self.logprob))
 
 
 @dataclass(frozen=True)
@@ -36,12 +57,15 @@ class ReasoningDelta:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A complete tool call: ``arguments`` is always a valid JSON document."""
+    """A tool call. ``complete``: ``arguments`` is a valid JSON document. A call cut
+    off by ``max_tokens`` has ``complete=False`` and ``arguments`` as far as the model
+    generated them (a JSON prefix, possibly empty)."""
 
     index: int
     id: str
     name: str
     arguments: str
+    complete: bool = True
 
 
 @dataclass(frozen=True)

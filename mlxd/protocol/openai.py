@@ -91,7 +91,7 @@ class SamplingFields(_Lenient):
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     max_tokens: int | None = Field(None, ge=1)
     stream: bool = False

@@ -146,7 +146,7 @@ class ResponsesRequest(_Lenient):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     regex: str | None = None
