@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -17,6 +18,8 @@ from mlxd.generation.params import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+SEED_LIMIT = 2**64  # mx.random.key takes an unsigned 64-bit seed
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -40,7 +43,7 @@ def build_sampler(params: SamplingParams) -> Sampler:
 
 
 def _seeded_sampler(params: SamplingParams, top_p: float) -> Sampler:
-    key = mx.random.key(params.seed or 0)
+    key = mx.random.key((params.seed or 0) % SEED_LIMIT)
     temp = params.temperature
 
     def sample(logprobs: mx.array) -> mx.array:
@@ -50,7 +53,7 @@ def _seeded_sampler(params: SamplingParams, top_p: float) -> Sampler:
             logprobs = apply_top_p(logprobs, top_p)
         if params.min_p:
             logprobs = apply_min_p(logprobs, params.min_p)
-        if params.top_k > 0:
+        if 0 < params.top_k < logprobs.shape[-1]:  # top_k >= vocabulary means "off"
             logprobs = apply_top_k(logprobs, params.top_k)
         return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
 
@@ -68,3 +71,21 @@ def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
         presence_context_size=256,
         frequency_context_size=256,
     )
+
+
+def heal_random_state() -> bool:
+    """Reseed MLX's global PRNG if a failed compiled function left it unusable.
+
+    mlx-lm's ``apply_top_k``/``apply_min_p``/``apply_top_p`` are compiled with
+    ``mx.random.state`` as an input and output: an exception raised while one
+    is traced leaves a placeholder array without a primitive in the global
+    state, and every later unseeded sample fails ("Attempting to eval an
+    array without a primitive"). Unseeded sampling promises no particular
+    sequence, so a fresh random seed is a faithful repair. True if it healed.
+    """
+    try:
+        mx.eval(mx.random.state[0])  # type: ignore[index]
+        return False
+    except Exception:
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        return True

@@ -26,7 +26,13 @@ from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 
 from mlxd.engines.device import release_free_memory
 from mlxd.engines.prefix_cache import PrefixCache
-from mlxd.engines.sampling import build_logits_processors, build_sampler
+from mlxd.engines.sampling import (
+    Sampler,
+    build_logits_processors,
+    build_sampler,
+    greedy,
+    heal_random_state,
+)
 from mlxd.errors import Overloaded
 from mlxd.generation.events import Event, TokenLogprob, TopLogprob
 from mlxd.generation.params import SamplingParams
@@ -235,9 +241,43 @@ class SchedulerBase:
 
         return [guarded]
 
+    def _guarded_sampler(self, seq: Sequence) -> Sampler:
+        """This request's sampler; an exception fails only this sequence.
+
+        The failed call answers with the greedy token so the batch it shares
+        stays consistent; the scheduler drops the sequence after the step and
+        never emits that token. A failure inside a compiled sampling function
+        can leave MLX's global PRNG unusable, which would break every later
+        sampled request, so it is repaired here. Greedy requests keep the one
+        shared function so a batch of them still samples in a single call.
+        """
+        sampler = build_sampler(seq.sampling)
+        if sampler is greedy:
+            return greedy
+
+        def guarded(logprobs: mx.array) -> mx.array:
+            if seq.error is not None:
+                return greedy(logprobs)
+            try:
+                return sampler(logprobs)
+            except Exception as e:
+                heal_random_state()
+                log.warning("request %s: sampler failed: %s", seq.seq_id, e)
+                seq.error = f"sampling failed: {e}"
+                return greedy(logprobs)
+
+        return guarded
+
+    def _fail_setup(self, seq: Sequence, error: Exception) -> None:
+        """A sequence could not be started: end it alone with an error event."""
+        log.exception("request %s: could not start generation", seq.seq_id)
+        heal_random_state()
+        self._finish(seq, "error", f"generation failed: {type(error).__name__}: {error}")
+
     def fail_all(self, error: BaseException) -> None:
         """A step failed for the whole batch: end every sequence with an error."""
         message = f"generation failed: {error}"
+        heal_random_state()  # shared state must not outlive the failure
         for seq in list(self.running.values()):
             self._finish(seq, "error", message)
         self.running.clear()
@@ -298,7 +338,10 @@ class BatchScheduler(SchedulerBase):
         if cancelled:
             self._remove([s for s in self.running.values() if s.seq_id in cancelled], "cancelled")
         for seq in admitted:
-            self._admit(seq)
+            try:
+                self._admit(seq)
+            except Exception as e:  # one request's setup must never strand the others
+                self._fail_setup(seq, e)
         if not self.running:
             return
         decoding = any(s.pipeline.completion_tokens for s in self.running.values())
@@ -313,6 +356,11 @@ class BatchScheduler(SchedulerBase):
             if found is None:
                 continue
             seq = found
+            if seq.error is not None:  # failed this step: its token is not trusted
+                if r.finish_reason is not None:  # already out of the generator
+                    del self.running[r.uid]
+                    self._finish(seq, "error", seq.error)
+                continue
             lp = self._logprob(seq, r.token, r.logprobs)
             if r.finish_reason == "stop" and r.token in seq.stop_token_ids:
                 self._emit(seq, seq.pipeline.count_eos(lp))
@@ -364,7 +412,7 @@ class BatchScheduler(SchedulerBase):
             max_tokens=[seq.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:n_cached]] if cache is not None else None,
-            samplers=[build_sampler(seq.sampling)],
+            samplers=[self._guarded_sampler(seq)],
             logits_processors=[self._guarded_processors(seq)],
             stop_sequences=[stop],
         )
@@ -425,7 +473,12 @@ class SerialScheduler(SchedulerBase):
             self.running.clear()
             self._finish(seq, "cancelled")
         if admitted:
-            self._start(admitted[0])
+            try:
+                self._start(admitted[0])
+            except Exception as e:  # end this request, not the worker
+                self._current = None
+                self.running.clear()
+                self._fail_setup(admitted[0], e)
         if self._current is None:
             return
         seq, steps, cache = self._current
@@ -435,6 +488,9 @@ class SerialScheduler(SchedulerBase):
             self._end(seq, cache, "length")
             return
         self.steps += 1
+        if seq.error is not None:  # a processor or the sampler failed this step
+            self._end(seq, cache, "error")
+            return
         token = int(token)
         lp = self._logprob(seq, token, logprobs)
         if token in seq.stop_token_ids:
@@ -462,7 +518,7 @@ class SerialScheduler(SchedulerBase):
         seq.pipeline.set_cached_tokens(n_cached)
         steps = generate_step(
             mx.array(tokens[n_cached:]), self.model, max_tokens=seq.max_tokens,
-            sampler=build_sampler(seq.sampling),
+            sampler=self._guarded_sampler(seq),
             logits_processors=self._guarded_processors(seq),
             prompt_cache=cache, prefill_step_size=self.prefill_step_size)
         self._current = (seq, steps, cache)

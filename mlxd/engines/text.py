@@ -19,7 +19,16 @@ from typing import Any, cast
 import mlx.core as mx
 
 from mlxd.engines.device import weights_nbytes
-from mlxd.engines.prefix_cache import PrefixCache
+from mlxd.engines.prefix_cache import PrefixCache, model_identity
+from mlxd.engines.prompt_limits import (
+    CHUNK_CHARS,
+    char_bound,
+    check_token_ids,
+    max_token_chars,
+    reaches,
+    text_chars,
+    vocab_bound,
+)
 from mlxd.engines.scheduler import (
     AsyncQueueSink,
     BatchScheduler,
@@ -46,6 +55,9 @@ from mlxd.generation.tools import ToolCallFormat, tool_call_format
 
 log = logging.getLogger(__name__)
 
+# Requests tokenised at once per model: each is bounded by the context length, and
+# together they must not take the memory of a flood of prompts.
+PREPARE_CONCURRENCY = 4
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
                  "seq_length", "n_ctx", "max_seq_len", "model_max_length")
 
@@ -116,6 +128,9 @@ class MLXLanguageModel:
         self.tool_format: ToolCallFormat | None = None
         self.grammar_tokenizer: GrammarTokenizer | None = None
         self._weights_bytes = 0
+        self.vocab_size = 0  # token ids a client may send: [0, vocab_size)
+        self._token_chars = 64  # longest token in characters (bounds chars per token)
+        self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
 
     # -- lifecycle (worker thread) -----------------------------------------
     def load(self) -> None:
@@ -134,6 +149,8 @@ class MLXLanguageModel:
         if self.options.max_context:
             ctx = min(ctx, self.options.max_context)
         self.context_length = ctx
+        self.vocab_size = vocab_bound(model, config)
+        self._token_chars = max_token_chars(tokenizer)
         self._build_parsers()
         vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
                     or len(tokenizer))
@@ -141,7 +158,8 @@ class MLXLanguageModel:
                                                   sorted(tokenizer.eos_token_ids))
         batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
         if self.options.prefix_cache_bytes > 0:
-            self.prefix_cache = PrefixCache(self.options.prefix_cache_bytes)
+            self.prefix_cache = PrefixCache(self.options.prefix_cache_bytes,
+                                            identity=model_identity(self.path))
         if self.options.batching and batchable:
             self.scheduler = BatchScheduler(
                 model, tokenizer, max_num_seqs=self.options.max_num_seqs,
@@ -223,7 +241,8 @@ class MLXLanguageModel:
     # -- requests ------------------------------------------------------------
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         """Tokenise and check limits off the event loop (tokenizers are not MLX)."""
-        return await asyncio.to_thread(self._prepare, request)
+        async with self._prepare_slots:
+            return await asyncio.to_thread(self._prepare, request)
 
     def _render_chat(self, request: GenerationRequest) -> tuple[str, ToolCallFormat | None]:
         tok = self.tokenizer
@@ -257,18 +276,20 @@ class MLXLanguageModel:
         tok = self.tokenizer
         if tok is None:
             raise InvalidRequest(f"Model '{self.name}' is not loaded.")
+        request = self._checked_sampling(request)
         fmt: ToolCallFormat | None = None
         if request.messages is not None:
+            self._check_chars(text_chars(request.messages), "messages")  # before rendering
             text, fmt = self._render_chat(request)
-            tokens = tok.encode(text, add_special_tokens=False)
+            tokens = self._encode(text, False, "messages")
         elif isinstance(request.prompt, str):
             text = request.prompt
-            tokens = tok.encode(text, add_special_tokens=True)
+            tokens = self._encode(text, True, "prompt")
         else:
             tokens = list(request.prompt or [])
-            vocab = self.model.args.vocab_size if hasattr(self.model, "args") else None
-            if vocab and any(not 0 <= t < vocab for t in tokens):
-                raise InvalidRequest(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
+            if tokens:
+                self._check_limits(len(tokens), None)
+            check_token_ids(tokens, self.vocab_size, "prompt")
             text = tok.decode(tokens)
         if not tokens:
             raise InvalidRequest("The prompt is empty.", param="prompt")
@@ -279,14 +300,47 @@ class MLXLanguageModel:
         return PreparedPrompt(request, tokens, text, max_tokens, stop_ids,
                               start_in_reasoning, fmt, self._grammar(request, fmt))
 
+    def _checked_sampling(self, request: GenerationRequest) -> GenerationRequest:
+        """400 for token ids outside the vocabulary; ``top_k`` >= vocabulary means off."""
+        bias = request.sampling.logit_bias or {}
+        check_token_ids(bias, self.vocab_size, "logit_bias")
+        check_token_ids(request.stop_token_ids, self.vocab_size, "stop_token_ids")
+        if request.sampling.top_k >= self.vocab_size:
+            return replace(request, sampling=replace(request.sampling, top_k=0))
+        return request
+
+    def _check_chars(self, n_chars: int, param: str) -> None:
+        """Refuse text that cannot fit in the context without tokenising it."""
+        limit = char_bound(self.context_length, self._token_chars)
+        if n_chars > limit:
+            raise self._too_long(f"your prompt has {n_chars} characters, more than "
+                                 f"{self.context_length} tokens can hold", param)
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Tokenise ``text``, refusing oversized text before a full tokenisation."""
+        self._check_chars(len(text), param)
+        ctx = self.context_length
+        if len(text) > CHUNK_CHARS and reaches(
+                lambda t: self.tokenizer.encode(t, add_special_tokens=False), text, ctx):
+            raise self._too_long(f"your prompt has more than {ctx} tokens", param)
+        return cast(list[int], self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _too_long(self, detail: str, param: str) -> InvalidRequest:
+        return InvalidRequest(
+            f"This model's maximum context length is {self.context_length} tokens. However, "
+            f"{detail}, leaving no room for the completion.",
+            param=param, code="context_length_exceeded")
+
     def _grammar(self, request: GenerationRequest, fmt: ToolCallFormat | None) -> str | None:
         """The llguidance grammar this request decodes under, validated (400 if bad)."""
         constraint = request.constraint
         forced = (request.messages is not None and bool(request.tools)
                   and request.tool_choice.mode in ("required", "function"))
         if forced and constraint is not None:
-            raise InvalidRequest("A forced tool call (tool_choice required or a named function) "
-                                 "cannot be combined with response_format.", param="tool_choice")
+            # Worded for every API: OpenAI says "required", Anthropic "any".
+            raise InvalidRequest("A forced tool call (tool_choice 'required' or 'any', or a "
+                                 "named tool) cannot be combined with a structured output "
+                                 "format.", param="tool_choice")
         if forced:
             assert fmt is not None
             constraint = tool_call_constraint(request.tools, request.tool_choice, fmt,
@@ -336,8 +390,8 @@ class MLXLanguageModel:
             raise InvalidRequest(f"Model '{self.name}' is not loaded.")
         req = prepared.request
         sampling = req.sampling
-        if seed_offset and sampling.seed is not None:
-            sampling = replace(sampling, seed=sampling.seed + seed_offset)
+        if seed_offset and sampling.seed is not None:  # wraps within the 64-bit seed space
+            sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
         sink = AsyncQueueSink(asyncio.get_running_loop())
         seq = Sequence(
             seq_id=prepared.id + uuid.uuid4().hex[:8], prompt_tokens=prepared.tokens,

@@ -85,7 +85,7 @@ class SamplingFields(_Lenient):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False

@@ -145,7 +145,7 @@ class ResponsesRequest(_Lenient):
     # mlxd extensions
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -20,6 +20,8 @@ from mlxd.models.manager import ModelLease
 from mlxd.models.spec import CHAT_KINDS, ModelKind, ServingDefaults
 from mlxd.server.context import ServerContext
 
+SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers (MLX's PRNG key)
+
 
 def pick(*values: Any) -> Any:
     """First value that is not None."""
@@ -35,6 +37,8 @@ def sampling_params(*, temperature: float | None, top_p: float | None, top_k: in
                     logit_bias: dict[str, float] | None,
                     defaults: ServingDefaults) -> SamplingParams:
     """Request values, else the registry entry's serving defaults, else OpenAI's."""
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {seed}.", param="seed")
     return SamplingParams(
         temperature=float(pick(temperature, defaults.temperature, 1.0)),
         top_p=float(pick(top_p, defaults.top_p, 1.0)),
@@ -44,8 +48,20 @@ def sampling_params(*, temperature: float | None, top_p: float | None, top_k: in
         repetition_penalty=pick(repetition_penalty, defaults.repetition_penalty),
         presence_penalty=float(presence_penalty or 0.0),
         frequency_penalty=float(frequency_penalty or 0.0),
-        logit_bias={int(k): float(v) for k, v in (logit_bias or {}).items()} or None,
+        logit_bias=_bias_ids(logit_bias) or None,
     )
+
+
+def _bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """``logit_bias`` keyed by token id; the engine checks the ids against its vocabulary."""
+    out: dict[int, float] = {}
+    for key, value in (logit_bias or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}.",
+                                 param="logit_bias") from None
+    return out
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
