@@ -3,10 +3,16 @@
 Built on mlx-lm's ``LRUPromptCache`` (a token trie with LRU eviction that
 trims longer entries down to a shared prefix). Adds a lock, hit accounting,
 and persistence to ``$MLXD_HOME/prefix-cache/<model>/``.
+
+A saved cache records the identity of the model that wrote it (``model_identity``)
+and is only restored into that same model: a served name re-pointed to other
+weights, or a re-converted model, starts cold instead of reusing KV states that
+another model computed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -27,13 +33,37 @@ from mlx_lm.models.cache import (
 log = logging.getLogger(__name__)
 
 _KEY = "model"  # one cache per loaded model, so the trie needs a single key
+_WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
+_HASHED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
+def model_identity(path: Path) -> str:
+    """A fingerprint of the model in ``path``: which KV states its caches hold.
+
+    The resolved path, every weights file's name, size and mtime (a rewrite or
+    re-conversion changes them), and the contents of the config and tokenizer
+    files. Cheap: weights are stat'ed, not hashed.
+    """
+    root = Path(path).resolve()
+    h = hashlib.sha256(str(root).encode())
+    files = sorted(root.rglob("*")) if root.is_dir() else [root]
+    for f in files:
+        rel = f.relative_to(root).as_posix() if root.is_dir() else f.name
+        if f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES):
+            st = f.stat()
+            h.update(f"\0w:{rel}:{st.st_size}:{st.st_mtime_ns}".encode())
+        elif f.is_file() and f.name in _HASHED_FILES:
+            h.update(f"\0f:{rel}:".encode() + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 class PrefixCache:
     """Thread-safe prefix cache for one model."""
 
-    def __init__(self, max_bytes: int, max_entries: int = 256) -> None:
+    def __init__(self, max_bytes: int, max_entries: int = 256, identity: str = "") -> None:
         self.max_bytes = max_bytes
+        self.identity = identity  # of the model whose KV states this cache holds
         self._cache = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
         self._lock = threading.Lock()
         self._tokens: dict[tuple[int, ...], None] = {}
@@ -107,7 +137,8 @@ class PrefixCache:
         for i, (toks, cache) in enumerate(entries):
             save_prompt_cache(str(tmp / f"{i:05d}.safetensors"), cache,
                               metadata={"tokens": json.dumps(toks)})
-        (tmp / "index.json").write_text(json.dumps({"entries": len(entries)}))
+        (tmp / "index.json").write_text(json.dumps({"entries": len(entries),
+                                                    "model_identity": self.identity}))
         old = folder.with_name(folder.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if folder.exists():
@@ -117,8 +148,20 @@ class PrefixCache:
         return len(entries)
 
     def restore(self, folder: Path) -> int:
-        """Load entries saved by ``save``; unreadable files are skipped."""
-        if not (folder / "index.json").exists():
+        """Load entries saved by ``save`` by this same model; unreadable files are skipped.
+
+        A cache written by another model (or one without an identity) is
+        ignored with a log line; the next save replaces it.
+        """
+        try:
+            index = json.loads((folder / "index.json").read_text())
+        except (OSError, ValueError):
+            return 0
+        saved_by = index.get("model_identity") if isinstance(index, dict) else None
+        if saved_by != self.identity:
+            log.warning("not restoring the prefix cache in %s: it was saved by a different "
+                        "model (identity %s, this model is %s)", folder,
+                        str(saved_by)[:12], self.identity[:12])
             return 0
         n = 0
         for path in sorted(folder.glob("*.safetensors")):

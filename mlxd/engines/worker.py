@@ -29,6 +29,10 @@ class Stepper(Protocol):
 
 _STOP = object()
 
+# Whole-batch step failures in a row after which a model counts as broken
+# (one failure can be a bad request; several in a row fail everyone).
+FAILING_AFTER = 3
+
 
 class ModelWorker:
     """A thread that owns one model. Jobs run in submission order."""
@@ -40,6 +44,9 @@ class ModelWorker:
         self._thread = threading.Thread(target=self._run, name=f"mlxd-model-{name}", daemon=True)
         self._stopping = threading.Event()
         self._started = False
+        self.step_failures = 0  # consecutive whole-batch step failures
+        self.last_step_error: str | None = None
+        self.death: str | None = None  # why the thread died, if it did
 
     def start(self) -> None:
         if not self._started:
@@ -49,6 +56,21 @@ class ModelWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def dead(self) -> bool:
+        """The thread ended without being asked to (nothing will run here again)."""
+        return self.death is not None or (
+            self._started and not self._thread.is_alive() and not self._stopping.is_set())
+
+    def fault(self) -> str | None:
+        """An engine-level fault that fails every request, or None when healthy."""
+        if self.dead:
+            return f"the model's worker thread died ({self.death or 'unknown cause'})"
+        if self.step_failures >= FAILING_AFTER:
+            return (f"the last {self.step_failures} scheduler steps failed for the whole batch "
+                    f"({self.last_step_error})")
+        return None
 
     def set_stepper(self, stepper: Stepper | None) -> None:
         self._stepper = stepper
@@ -79,6 +101,21 @@ class ModelWorker:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the thread is dying: record why, fail what waits
+            self.death = f"{type(e).__name__}: {e}"
+            self._stopping.set()  # later jobs fail at once instead of hanging
+            log.critical("model %s: worker thread died: %s", self.name, self.death)
+            stepper = self._stepper
+            if stepper is not None:
+                try:
+                    stepper.fail_all(e)
+                except BaseException:
+                    log.exception("model %s: failing requests after the worker died", self.name)
+            self._drain_cancelled()
+
+    def _loop(self) -> None:
         while True:
             stepper = self._stepper
             busy = stepper is not None and stepper.has_work()
@@ -99,7 +136,10 @@ class ModelWorker:
             if stepper is not None and stepper.has_work() and not self._stopping.is_set():
                 try:
                     stepper.step()
+                    self.step_failures = 0
                 except Exception as e:  # a broken step must not kill the worker
+                    self.step_failures += 1
+                    self.last_step_error = f"{type(e).__name__}: {e}"
                     log.exception("model %s: scheduler step failed", self.name)
                     stepper.fail_all(e)
 

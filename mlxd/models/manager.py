@@ -100,12 +100,24 @@ class ModelManager:
         self._aliases[alias] = name
 
     async def unregister(self, name: str) -> None:
+        """Remove a model (DELETE, or the first half of a replace); refused while in use.
+
+        It is marked retired synchronously, so no request can lease it from
+        here on (a waiting one resolves the name again), and it stays in the
+        table, counted in the budget, until its engine is closed: nothing is
+        left loaded outside the table.
+        """
         res = self.get(name)
         if res.leases:
             raise Conflict(f"Model '{name}' is in use by {res.leases} request(s); retry later.")
-        await res.unload()
-        self._models.pop(res.name, None)
-        self._aliases = {a: n for a, n in self._aliases.items() if n != res.name}
+        res.retired = True
+        try:
+            await res.retire()
+        finally:
+            if self._models.get(res.name) is res:
+                del self._models[res.name]
+            self._aliases = {a: n for a, n in self._aliases.items() if n != res.name}
+            await self._notify()
 
     @property
     def names(self) -> list[str]:
@@ -172,9 +184,17 @@ class ModelManager:
     async def acquire(self, name: str, kinds: Iterable[ModelKind] | None = None,
                       endpoint: str = "") -> ModelLease:
         self.check_kind(name, kinds, endpoint)
-        res = self.get(name)
-        async with self._lock:
-            res.leases += 1
+        deadline = time.monotonic() + self.policy.wait_timeout_s
+        while True:
+            async with self._lock:
+                # Resolved under the lock: a model removed while this request
+                # waited for the lock is never leased (nor loaded) again.
+                self.check_kind(name, kinds, endpoint)
+                res = self.get(name)
+                if not res.retired:
+                    res.leases += 1
+                    break
+            await self._wait_change(deadline, res, "is being removed or replaced")
         try:
             await self._ensure_loaded(res)
         except BaseException:
@@ -202,6 +222,11 @@ class ModelManager:
                 await self._wait_change(deadline, res, "is being unloaded")
                 continue
             if res.state == State.LOADED:
+                if res.worker_dead():
+                    raise Overloaded(
+                        f"Model '{res.name}' is broken: {res.health()}. Unload it "
+                        "(POST /v1/models/unload) and the next request loads it again.",
+                        retry_after=5, code="model_unhealthy")
                 return
             if res.state == State.LOADING:
                 await res.wait_loaded()

@@ -4,19 +4,27 @@ States: unloaded -> loading -> loaded -> unloading -> unloaded, plus failed
 (with the last error). Concurrent first requests share one load; leases
 block idle unload and eviction; unload first runs the engine's persist hook
 (e.g. the prefix cache), then closes the engine and its worker thread.
+
+Races it closes: ``unload`` marks the model unloading synchronously and
+refuses while a lease is held, so a request queued on the event loop either
+gets its lease first (and the unload is skipped) or waits and reloads; a
+load that finishes after ``shutdown`` or ``retire`` gave up on it closes its
+own engine instead of going live.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any
 
 from mlxd.engines.worker import ModelWorker
-from mlxd.errors import MlxdError, ModelLoadError
+from mlxd.errors import MlxdError, ModelLoadError, Overloaded
 from mlxd.models.spec import ModelEntry, ModelKind
 
 log = logging.getLogger(__name__)
@@ -46,6 +54,40 @@ class LoadedModel:
 Loader = Callable[[ModelEntry, ModelKind, ModelWorker], Any]
 
 
+class LoadAbandoned(Exception):
+    """The load finished after its residency gave up on it; the engine was closed."""
+
+
+class _LoadJob:
+    """One load on the worker thread.
+
+    Once ``abandon``ed (shutdown timed out, model removed), whatever the loader
+    builds is closed on the worker thread itself, so it is never leaked even
+    when no event loop is left to receive it.
+    """
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._lock = threading.Lock()
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+
+    def __call__(self, entry: ModelEntry, kind: ModelKind, worker: ModelWorker) -> Any:
+        engine = self._loader(entry, kind, worker)
+        with self._lock:
+            if not self._abandoned:
+                return engine  # handed over: the event loop side owns it from here
+        log.warning("model %s: load finished after it was abandoned; closing it", entry.name)
+        try:
+            engine.close()
+        except Exception:
+            log.exception("model %s: closing an abandoned engine failed", entry.name)
+        raise LoadAbandoned(entry.name)
+
+
 class ResidencyManager:
     """State machine of one registered model. All methods run on the event loop."""
 
@@ -69,6 +111,9 @@ class ResidencyManager:
         self.measured_bytes: int | None = None
         self.load_seconds: float | None = None
         self.draining = False
+        self.retired = False  # unregistered or replaced: never leased or loaded again
+        self._closing = False  # shutdown began
+        self._job: _LoadJob | None = None
         self._load_task: asyncio.Task[LoadedModel] | None = None
         self._unload_task: asyncio.Task[None] | None = None
 
@@ -102,6 +147,22 @@ class ResidencyManager:
         """Estimate while unloaded, measured figure while loaded (for /v1/models)."""
         return self.accounted_bytes() if self.state == State.LOADED else self.estimate
 
+    def health(self) -> str | None:
+        """Why this loaded model cannot serve (None when healthy or not loaded).
+
+        Broken means an engine-level fault that would fail every request: its
+        worker thread died, or the last few scheduler steps failed for the
+        whole batch (see ``ModelWorker.fault``).
+        """
+        loaded = self.loaded
+        if self.state != State.LOADED or loaded is None:
+            return None
+        return loaded.worker.fault()
+
+    def worker_dead(self) -> bool:
+        loaded = self.loaded
+        return loaded is not None and self.state == State.LOADED and loaded.worker.dead
+
     def idle_for(self, now: float | None = None) -> float:
         now = now if now is not None else time.monotonic()
         return now - (self.last_used or self.loaded_at or now)
@@ -130,13 +191,19 @@ class ResidencyManager:
             return await self._load_now()
 
     async def _load_now(self) -> LoadedModel:
+        if self._closing or self.retired:  # gave up while waiting for the device
+            raise await self._give_up()
         t0 = time.monotonic()
         worker = ModelWorker(self.name)
         worker.start()
+        self._job = job = _LoadJob(self._loader)
         try:
-            engine = await worker.run(self._loader, self.entry, self.kind, worker)
+            engine = await worker.run(job, self.entry, self.kind, worker)
         except BaseException as e:
+            job.abandon()  # a cancelled load must not leave an engine behind
             worker.stop(timeout=0)
+            if isinstance(e, LoadAbandoned):
+                raise await self._give_up() from None
             if isinstance(e, MlxdError):
                 self._fail(e.message)
             elif isinstance(e, Exception):
@@ -149,6 +216,10 @@ class ResidencyManager:
             await self._notify()
             raise
         loaded = LoadedModel(engine, worker)
+        if self._closing or self.retired:
+            # Shutdown or removal happened while the load ran: never go live.
+            await self._close(loaded)
+            raise await self._give_up()
         self.loaded = loaded
         self.state = State.LOADED
         self.loads += 1
@@ -162,34 +233,62 @@ class ResidencyManager:
         await self._notify()
         return loaded
 
+    async def _give_up(self) -> Overloaded:
+        """End a load that shutdown or removal overtook; the error its waiters get."""
+        self._fail("load abandoned (shutdown or model removed)")
+        await self._notify()
+        return Overloaded(f"Model '{self.name}' was removed or the server is shutting down.",
+                          retry_after=5)
+
     def _fail(self, message: str) -> None:
         self.state = State.FAILED
         self.last_error = message
         self.loaded = None
 
     # -- unload -----------------------------------------------------------
-    async def unload(self) -> None:
-        """Persist eligible state, close the engine, stop its thread."""
+    async def unload(self) -> bool:
+        """Persist eligible state, close the engine, stop its thread.
+
+        Refused (False) while a lease is held. The check and the switch to
+        ``unloading`` happen synchronously, before any await, so no request
+        can take a lease on an engine that is about to close: one queued
+        behind this call sees ``unloading`` and waits, then loads again.
+        """
         if self._unload_task is not None and not self._unload_task.done():
             await asyncio.shield(self._unload_task)
-            return
-        if self.state != State.LOADED or self.loaded is None:
-            return
-        self._unload_task = asyncio.get_running_loop().create_task(self._unload())
-        await asyncio.shield(self._unload_task)
-
-    async def _unload(self) -> None:
-        loaded = self.loaded
-        assert loaded is not None
+            return True
+        if self.state != State.LOADED or self.loaded is None or self.leases:
+            return False
         self.state = State.UNLOADING
+        self._unload_task = asyncio.get_running_loop().create_task(self._unload(self.loaded))
+        await asyncio.shield(self._unload_task)
+        return True
+
+    async def retire(self) -> None:
+        """Unload for good (unregister / replace): the caller marked it ``retired``.
+
+        A load in flight is waited for; it closes its own engine on seeing
+        ``retired``, so nothing stays loaded outside the manager's table.
+        """
+        self.retired = True
+        task = self._load_task
+        if task is not None and not task.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
+        await self.unload()
+
+    async def _persist(self, loaded: LoadedModel) -> None:
+        persist = getattr(loaded.engine, "persist_state", None)
+        if persist is not None:
+            try:
+                await loaded.worker.run(persist)
+            except Exception:
+                log.exception("model %s: persisting state before unload failed", self.name)
+
+    async def _unload(self, loaded: LoadedModel) -> None:
         await self._notify()
         try:
-            persist = getattr(loaded.engine, "persist_state", None)
-            if persist is not None:
-                try:
-                    await loaded.worker.run(persist)
-                except Exception:
-                    log.exception("model %s: persisting state before unload failed", self.name)
+            await self._persist(loaded)
             await self._close(loaded)
         finally:
             self.loaded = None
@@ -206,13 +305,22 @@ class ResidencyManager:
         await asyncio.to_thread(loaded.worker.stop, 5.0)
 
     async def shutdown(self, timeout: float = 8.0) -> None:
-        """Close the engine whatever is happening; never hang past ``timeout``."""
+        """Persist and close the engine whatever is happening; never hang past ``timeout``.
+
+        A load still running after ``timeout`` is abandoned: its waiters get a
+        503 and the worker thread closes the engine when the load ends.
+        """
+        self._closing = True
         task = self._load_task
         if task is not None and not task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout)
             except BaseException:
                 pass
+            if not task.done() and self._job is not None:
+                log.warning("model %s: still loading at shutdown; it will be closed when the "
+                            "load ends", self.name)
+                self._job.abandon()
         if self._unload_task is not None and not self._unload_task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._unload_task), timeout)
@@ -220,6 +328,10 @@ class ResidencyManager:
                 pass
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
+            try:
+                await asyncio.wait_for(self._persist(loaded), timeout)
+            except BaseException:
+                log.warning("model %s: saving state at shutdown did not finish", self.name)
             try:
                 await asyncio.wait_for(self._close(loaded, timeout), timeout + 6)
             except BaseException:

@@ -14,6 +14,13 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    """``status`` is ``degraded`` while a loaded model is broken (``unhealthy`` says why).
+
+    Still HTTP 200: the process answers and other models serve; a broken
+    model recovers by unloading it (the next request loads it again).
+    """
     residencies = ctx.manager.residencies()
-    return {"status": "ok", "models": len(residencies),
-            "loaded": [r.name for r in residencies if r.state == State.LOADED]}
+    unhealthy = {r.name: fault for r in residencies if (fault := r.health()) is not None}
+    return {"status": "degraded" if unhealthy else "ok", "models": len(residencies),
+            "loaded": [r.name for r in residencies if r.state == State.LOADED],
+            "unhealthy": unhealthy}
