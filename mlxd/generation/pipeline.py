@@ -27,7 +27,8 @@ from mlxd.generation.markup import MarkerScanner
 from mlxd.generation.params import ToolSpec
 from mlxd.generation.reasoning import ReasoningFormat
 from mlxd.generation.stop import StopStringMatcher
-from mlxd.generation.tools import ToolCallFormat, ToolParseError
+from mlxd.generation.tools import ParsedCall, ToolCallFormat, ToolParseError
+from mlxd.generation.truncated import salvage_calls
 
 
 class Detokenizer(Protocol):
@@ -122,7 +123,7 @@ class OutputPipeline:
             events += self._split(self._stop.flush(), final=True)
         if self._stop.stopped:
             reason = "stop"
-        events += self._flush_split()
+        events += self._flush_split(truncated=reason == "length")
         if self._tool_calls and reason == "stop":
             reason = "tool_calls"
         usage = Usage(
@@ -235,11 +236,13 @@ class OutputPipeline:
             self._after_reasoning = True
             self._enter(_CONTENT)
             return []
-        events = self._close_tool_call()
+        events = self._close_tool_call(closed=True)
         self._enter(_CONTENT)
         return events
 
-    def _close_tool_call(self) -> list[Event]:
+    def _close_tool_call(self, closed: bool, truncated: bool = False) -> list[Event]:
+        """Parse the buffered call. ``closed``: its end marker was generated;
+        ``truncated``: ``max_tokens`` cut it off (what was generated is salvaged)."""
         fmt = self._opt.tool_format
         assert fmt is not None
         body, self._tool_buffer = self._tool_buffer, ""
@@ -248,19 +251,32 @@ class OutputPipeline:
         try:
             calls = fmt.parse(body, self._opt.tools)
         except ToolParseError:
+            if truncated:
+                # Never markup in content: a cut-off call is a call, or nothing.
+                return self._tool_call_events(self._salvage(body))
             # Unparseable markup is returned as text rather than lost.
             self._content_started = True
-            return [TextDelta(fmt.start + body + fmt.end)]
+            return [TextDelta(fmt.start + body + (fmt.end if closed else ""))]
+        return self._tool_call_events(calls)
+
+    def _salvage(self, body: str) -> list[ParsedCall]:
+        fmt = self._opt.tool_format
+        assert fmt is not None
+        if not (fmt.json_body or body.lstrip().startswith(("{", "["))):
+            return []  # a truncated non-JSON body cannot be read reliably
+        return salvage_calls(body, self._opt.tools)
+
+    def _tool_call_events(self, calls: list[ParsedCall]) -> list[Event]:
         events: list[Event] = []
         for call in calls:
             args = call["arguments"]
             arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
             events.append(ToolCall(self._tool_calls, call.get("id") or self._opt.id_factory(),
-                                   call["name"], arguments))
+                                   call["name"], arguments, call.get("complete", True)))
             self._tool_calls += 1
         return events
 
-    def _flush_split(self) -> list[Event]:
+    def _flush_split(self, truncated: bool = False) -> list[Event]:
         events: list[Event] = []
         if self._lead_ws:
             text, self._lead_ws = self._lead_ws, ""
@@ -268,7 +284,7 @@ class OutputPipeline:
         held = self._scanner.flush()
         if self._state == _TOOL:
             self._tool_buffer += held
-            events += self._close_tool_call()
+            events += self._close_tool_call(closed=False, truncated=truncated)
             self._enter(_CONTENT)
         else:
             events += self._emit(held)

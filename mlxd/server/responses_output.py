@@ -99,7 +99,9 @@ class OutputItems:
         index = len(self.items)
         events: list[StreamEvent] = [
             {"type": "response.output_item.added", "output_index": index, "item": dict(item)}]
-        item.update(arguments=call.arguments, status="completed")
+        # A call cut off by max_output_tokens keeps its arguments as far as generated.
+        item.update(arguments=call.arguments,
+                    status="completed" if call.complete else "incomplete")
         self.items.append(item)
         ref = {"item_id": item["id"], "output_index": index}
         return [

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxd.errors import GenerationFailed
 from mlxd.generation.events import Event, Finish, ReasoningDelta, TextDelta, ToolCall, Usage
+from mlxd.generation.truncated import parse_partial_json
 from mlxd.protocol.anthropic import CountTokensRequest, MessagesRequest
 from mlxd.server.anthropic_input import generation_request
 from mlxd.server.context import ServerContext, get_ctx
@@ -86,9 +87,7 @@ class ContentBlocks:
 
     def _tool_use(self, call: ToolCall) -> list[SSE]:
         events = self.close()
-        arguments = json.loads(call.arguments) if call.arguments.strip() else {}
-        if not isinstance(arguments, dict):
-            arguments = {"arguments": arguments}
+        arguments = tool_input(call)
         events.append(self._start(
             {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments},
             {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}))
@@ -99,6 +98,17 @@ class ContentBlocks:
                       "partial_json": json.dumps(arguments, ensure_ascii=False)}}))
         events += self.close()
         return events
+
+
+def tool_input(call: ToolCall) -> dict[str, Any]:
+    """``tool_use.input`` must be an object. A call cut off by ``max_tokens`` gets the
+    best-effort value of its partial arguments (open strings and containers closed,
+    an incomplete last member dropped), ``{}`` when nothing is readable."""
+    if not call.complete:
+        value = parse_partial_json(call.arguments)
+        return value if isinstance(value, dict) else {}
+    arguments = json.loads(call.arguments) if call.arguments.strip() else {}
+    return arguments if isinstance(arguments, dict) else {"arguments": arguments}
 
 
 def stop_reason(finish: Finish, clamped: bool) -> tuple[str, str | None]:
