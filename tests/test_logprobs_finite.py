@@ -75,6 +75,8 @@ def check_chat_entries(entries: list[dict[str, Any]]) -> list[float]:
     for entry in entries:
         assert_reportable(entry["logprob"])
         assert len(entry["top_logprobs"]) == TOP
+        tops = [alt["logprob"] for alt in entry["top_logprobs"]]
+        assert tops == sorted(tops, reverse=True)  # most likely first, floor values last
         for alt in entry["top_logprobs"]:
             assert_reportable(alt["logprob"])
             values.append(alt["logprob"])
