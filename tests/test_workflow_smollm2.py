@@ -215,5 +215,13 @@ def test_changed_artifact_is_no_longer_qualified(home: Path, qualified: dict[str
     cfg_file = Path(registered["artifact"]["path"]) / "generation_config.json"
     later = time.time() + 5
     os.utime(cfg_file, (later, later))
-    with pytest.raises(ValueError, match="smollm2: the artifact changed after it was qualified"):
-        check_qualified(config, catalog)
+    check_qualified(config, catalog)  # a newer mtime alone is no change: same sha256
+    original, st = cfg_file.read_bytes(), cfg_file.stat()
+    cfg_file.write_bytes(original.replace(b"  ", b" \t", 1))  # same size, other bytes
+    os.utime(cfg_file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    try:
+        with pytest.raises(ValueError, match=r"smollm2: the artifact changed after it was "
+                                             r"qualified \(generation_config.json: sha256"):
+            check_qualified(config, catalog)
+    finally:
+        cfg_file.write_bytes(original)

@@ -40,6 +40,13 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--reasoning-parser", "reasoning_parser", {"help": "think | qwen3 | deepseek_r1 | ... | none"}),
     ("--tool-call-parser", "tool_call_parser", {"help": "hermes | llama3_json | mistral | ..."}),
     ("--max-body-bytes", "max_body_bytes", {"type": int}),
+    ("--header-timeout", "header_timeout", {"type": float,
+                                            "help": "seconds to send a request head (default 20)"}),
+    ("--body-timeout", "body_timeout", {"type": float,
+                                        "help": "seconds a request body may stall (default 60)"}),
+    ("--max-connections", "max_connections", {"type": int,
+                                              "help": "open connections at most (default "
+                                                      "min(1024, open-file limit - reserve))"}),
     ("--max-embedding-inputs", "max_embedding_inputs", {"type": int}),
     ("--embedding-overflow", "embedding_overflow", {
         "choices": ["truncate", "error"],
@@ -126,13 +133,13 @@ def run(args: argparse.Namespace) -> int:
     from mlxd.blas import reexec_with_openblas
 
     blas = reexec_with_openblas(getattr(args, "blas", None))  # may re-exec this command
-    import uvicorn
     from rich.console import Console
 
     from mlxd.engines.factory import EngineFactory
     from mlxd.models.catalog import CatalogError, build_catalog
     from mlxd.models.registry import RegistryError
     from mlxd.server.app import build_app
+    from mlxd.server.connections import GuardedServer, guarded_server
 
     console = Console(stderr=True)
     if blas.action == "error":
@@ -151,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from mlxd.models.qualification import check_qualified
 
     try:
-        check_qualified(config, catalog)
+        check_qualified(config, catalog, catalog.hasher)
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
@@ -175,14 +182,14 @@ def run(args: argparse.Namespace) -> int:
 
     app = build_app(config, catalog=catalog, loader=factory, on_ready=on_ready)
 
-    class Server(uvicorn.Server):
+    class Server(GuardedServer):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started and "ctx" in ready:
                 print(_ready_line(ready["ctx"], config.host, config.port), flush=True)
 
-    server = Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                   log_level=config.log_level, timeout_graceful_shutdown=5))
+    server = guarded_server(app, config, server_class=Server, log_level=config.log_level,
+                            timeout_graceful_shutdown=5)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         asyncio.run(server.serve())

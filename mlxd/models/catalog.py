@@ -17,6 +17,7 @@ from mlxd.config import ServerConfig
 from mlxd.models.detection import Detection, DetectionError, detect, kind_from_name
 from mlxd.models.manager import ManagerPolicy, Registration
 from mlxd.models.memory import estimate_memory, parse_budget, read_config, weights_bytes_of_folder
+from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryData, RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.models.starter import starter_entries
@@ -37,6 +38,8 @@ class Catalog:
     registry: RegistryFile | None = None
     aliases: dict[str, str] = field(default_factory=dict)
     preload: list[str] = field(default_factory=list)
+    # sha256 cache shared by the startup --require-qualified check and run-time PUTs
+    hasher: FileHasher = field(default_factory=FileHasher)
 
 
 def local_path_of(entry: ModelEntry, home: Path) -> Path | None:

@@ -7,6 +7,7 @@ the app so ``mlxd serve`` reports a bad registry before binding the port.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,9 +20,11 @@ from mlxd import __version__
 from mlxd.config import ServerConfig
 from mlxd.models.catalog import Catalog, build_catalog
 from mlxd.models.manager import ModelManager
+from mlxd.models.qualification import check_qualified
 from mlxd.server.context import ServerContext
 from mlxd.server.errors import install_error_handlers
 from mlxd.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from mlxd.server.openapi import install_openapi
 from mlxd.server.routes import (
     anthropic,
     chat,
@@ -46,6 +49,8 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         cat = catalog or build_catalog(config)
+        # The same gate as `mlxd serve` (cached hashes: no second read there), for every app.
+        await asyncio.to_thread(check_qualified, config, cat, cat.hasher)
         if loader is None:
             from mlxd.engines.factory import EngineFactory
 
@@ -57,7 +62,8 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
             manager.register(reg)
         for alias, name in cat.aliases.items():
             manager.alias(alias, name)
-        ctx = ServerContext(config=config, manager=manager, registry=cat.registry)
+        ctx = ServerContext(config=config, manager=manager, registry=cat.registry,
+                            hasher=cat.hasher)
         app.state.ctx = ctx
         await manager.start()
         try:
@@ -72,6 +78,7 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
     app = FastAPI(title="mlxd", version=__version__, lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
     install_error_handlers(app)
+    install_openapi(app, config)
     for module in (health, models, chat, completions, responses, anthropic, embeddings, rerank,
                    metrics):
         app.include_router(module.router)

@@ -10,6 +10,7 @@ from fastapi import Request
 
 from mlxd.config import ServerConfig
 from mlxd.models.manager import ModelManager
+from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryFile
 
 
@@ -20,6 +21,7 @@ class ServerContext:
     registry: RegistryFile | None = None
     started_at: float = field(default_factory=time.time)
     extras: dict[str, Any] = field(default_factory=dict)
+    hasher: FileHasher = field(default_factory=FileHasher)  # --require-qualified re-hashing
 
 
 def get_ctx(request: Request) -> ServerContext:

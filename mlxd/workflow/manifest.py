@@ -129,16 +129,20 @@ def inventory(root: Path, *, hashes: bool = True,
     return records
 
 
-def verify_inventory(base: Path, files: list[dict[str, Any]]) -> list[str]:
-    """Problems found re-hashing ``files`` (paths relative to ``base``); empty when all match."""
+def verify_inventory(base: Path, files: list[dict[str, Any]],
+                     sha256: Callable[[Path], str] = sha256_of) -> list[str]:
+    """Problems found re-hashing ``files`` (paths relative to ``base``); empty when all match.
+
+    A same-size file is still re-hashed: a size check alone misses an edited byte.
+    """
     problems = []
     for rec in files:
-        path = Path(base) / rec["path"]
+        path = Path(base) / str(rec.get("path"))
         if not path.is_file():
-            problems.append(f"{rec['path']}: missing")
-        elif path.stat().st_size != rec["size"]:
-            problems.append(f"{rec['path']}: size {path.stat().st_size} != {rec['size']}")
-        elif rec.get("sha256") and sha256_of(path) != rec["sha256"]:
+            problems.append(f"{rec.get('path')}: missing")
+        elif path.stat().st_size != rec.get("size"):
+            problems.append(f"{rec['path']}: size {path.stat().st_size} != {rec.get('size')}")
+        elif rec.get("sha256") and sha256(path) != rec["sha256"]:
             problems.append(f"{rec['path']}: sha256 differs")
     return problems
 

@@ -29,6 +29,7 @@ from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.workflow import qualify_checks as qc
 from mlxd.workflow.manifest import (
     finish_manifest,
+    inventory,
     link_to,
     manifest_path,
     new_manifest,
@@ -219,6 +220,49 @@ def _figures(results: list[qc.CheckResult]) -> dict[str, Any]:
     return out
 
 
+def artifact_record(entry: ModelEntry, home: Path) -> dict[str, Any] | None:
+    """Path, sizes and sha256 of the files that are served for ``entry`` (None when they
+    are not on this machine yet); ``--require-qualified`` re-hashes them before serving."""
+    from mlxd.models.qualification import artifact_path
+
+    path = artifact_path(entry, home)
+    if path is None:
+        return None
+    return {"path": str(path), "files": [f.as_dict() for f in inventory(path)]}
+
+
+def start_qualification(entry: ModelEntry, kind: ModelKind, home: Path,
+                        opts: qc.QualifyOptions, server: str,
+                        command: list[str] | None = None) -> dict[str, Any]:
+    """The qualification manifest before the checks run: inputs and the artifact's hashes."""
+    manifest = new_manifest("qualification", command=command)
+    registration = manifest_path(manifest_dir(entry, home), "registration")
+    manifest.update(name=entry.name, kind=str(kind), source=entry.source, entry=entry.public(),
+                    server=server, options={
+                        k: sorted(v) if isinstance(v, frozenset) else v
+                        for k, v in vars(opts).items()},
+                    inputs=[link_to(registration)] if registration.is_file() else [])
+    # Hashed before the checks, so the hashes are of the bytes that were checked.
+    manifest["artifact"] = artifact_record(entry, home)
+    return manifest
+
+
+def finish_qualification(manifest: dict[str, Any], results: list[qc.CheckResult], *,
+                         entry: ModelEntry, registry: RegistryFile,
+                         home: Path) -> dict[str, Any]:
+    """Stamp the results and the status, write the manifest and record it in the registry."""
+    if manifest.get("artifact") is None:  # a hub model downloaded by the checks themselves
+        manifest["artifact"] = artifact_record(entry, home) or {"path": None, "files": []}
+    ran = [r for r in results if r.passed is not None]
+    status = "pass" if ran and all(r.passed for r in ran) else "fail"
+    manifest["checks"] = {r.name: r.as_dict() for r in results}
+    manifest["figures"] = _figures(results)
+    finish_manifest(manifest, status)
+    path = write_manifest(manifest_path(manifest_dir(entry, home), "qualification"), manifest)
+    record_in_registry(registry, entry.name, entry.source, manifest, path)
+    return manifest
+
+
 def qualify(name: str, *, registry: RegistryFile, home: Path,
             options: qc.QualifyOptions | None = None, url: str | None = None,
             api_key: str | None = None, server_overrides: dict[str, Any] | None = None,
@@ -233,28 +277,14 @@ def qualify(name: str, *, registry: RegistryFile, home: Path,
     if kind == ModelKind.EMBEDDING and opts.expected_dimension is None:
         cfg = read_config(Path(entry.source)) if Path(entry.source).is_dir() else {}
         opts.expected_dimension = cfg.get("hidden_size")
-    manifest = new_manifest("qualification", command=command)
-    mdir = manifest_dir(entry, home)
-    registration = manifest_path(mdir, "registration")
-    manifest.update(name=name, kind=str(kind), source=entry.source, entry=entry.public(),
-                    server=url or "in-process", options={
-                        k: sorted(v) if isinstance(v, frozenset) else v
-                        for k, v in vars(opts).items()},
-                    inputs=[link_to(registration)] if registration.is_file() else [])
+    manifest = start_qualification(entry, kind, home, opts, url or "in-process", command)
     say = step or (lambda _s: None)
     if url:
         results = _run_checks(url, entry, kind, api_key, opts, say)
     else:
         with in_process_server(entry, registry, home, server_overrides) as local_url:
             results = _run_checks(local_url, entry, kind, None, opts, say)
-    ran = [r for r in results if r.passed is not None]
-    status = "pass" if ran and all(r.passed for r in ran) else "fail"
-    manifest["checks"] = {r.name: r.as_dict() for r in results}
-    manifest["figures"] = _figures(results)
-    finish_manifest(manifest, status)
-    path = write_manifest(manifest_path(mdir, "qualification"), manifest)
-    record_in_registry(registry, name, entry.source, manifest, path)
-    return manifest
+    return finish_qualification(manifest, results, entry=entry, registry=registry, home=home)
 
 
 def record_in_registry(registry: RegistryFile, name: str, source: str,

@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxd.errors import Conflict, InvalidRequest
 from mlxd.models.catalog import CatalogError, registration_for
+from mlxd.models.manager import Registration
+from mlxd.models.qualification import qualification_problem
 from mlxd.models.residency import ResidencyManager, State
 from mlxd.models.spec import ModelEntry
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.json_body import StrictJSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 class ModelRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1)
-    wait: bool = True
+    wait: StrictBool = True
 
 
 def _iso(monotonic: float | None) -> str | None:
@@ -40,8 +44,12 @@ def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
         "loads": res.loads, "last_used": _iso(res.last_used), "in_use": res.leases,
         "aliases": aliases, "source": res.entry.source,
     }
+    fault = res.health()
+    card["health"] = "failing" if fault or res.state == State.FAILED else "ok"
     if res.state == State.FAILED:
         card["error"] = res.last_error
+    elif fault:
+        card["error"] = fault
     engine = res.engine
     if engine is not None and res.state == State.LOADED:
         try:
@@ -78,13 +86,26 @@ async def unload_model(ref: ModelRef, ctx: ServerContext = Depends(get_ctx)) -> 
     return card
 
 
-@router.put("/v1/models")
-async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
-    """Add (or replace, when not in use) a registry entry at run time."""
+def prepare_registration(entry: ModelEntry, ctx: ServerContext) -> Registration:
+    """Detection, the memory estimate and the ``--require-qualified`` gate (the same as at
+    startup). Blocking (file reads, sha256 of the model files): run in a worker thread."""
     try:
         reg = registration_for(entry, ctx.config, ctx.manager.policy.budget_bytes)
     except CatalogError as e:
         raise InvalidRequest(str(e), param="source") from None
+    if ctx.config.require_qualified:
+        problem = qualification_problem(entry, ctx.config.home, ctx.hasher)
+        if problem:
+            raise InvalidRequest(f"--require-qualified refuses '{entry.name}': {problem}",
+                                 param="source", code="model_not_qualified")
+    return reg
+
+
+@router.put("/v1/models")
+async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    """Add (or replace, when not in use) a registry entry at run time."""
+    # Never on the event loop: detection and hashing read files, the registry write fsyncs.
+    reg = await asyncio.to_thread(prepare_registration, entry, ctx)
     replaced = entry.name in ctx.manager.names
     if replaced:
         res = ctx.manager.get(entry.name)
@@ -94,7 +115,7 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
     ctx.manager.register(reg)
     persisted = False
     if ctx.registry is not None:
-        ctx.registry.upsert(entry)
+        await asyncio.to_thread(ctx.registry.upsert, entry)
         persisted = True
     card = model_card(ctx, ctx.manager.get(entry.name))
     card.update(replaced=replaced, persisted=persisted)
@@ -105,5 +126,6 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
 async def delete_model(name: str, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     res = ctx.manager.get(name)
     await ctx.manager.unregister(res.name)
-    persisted = ctx.registry.remove(res.name) if ctx.registry is not None else False
+    persisted = (await asyncio.to_thread(ctx.registry.remove, res.name)
+                 if ctx.registry is not None else False)
     return {"id": res.name, "object": "model", "deleted": True, "persisted": persisted}
