@@ -2,7 +2,9 @@
 
 Validated at startup with errors that name the entry, the field and the line.
 Every write is atomic (temp file + fsync + rename), so a crash mid-write
-leaves the previous file intact.
+leaves the previous file intact, and every read-modify-write holds a lock file
+(``.NAME-lock`` beside it) so concurrent writers in other processes (two
+``mlxd model register`` at once, a server's ``PUT /v1/models``) lose nothing.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +22,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mlxd.models.spec import ModelEntry
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; see _exclusive_file
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_TIMEOUT_S = 60.0
 
 
 class RegistryError(ValueError):
@@ -132,12 +144,53 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+@contextmanager
+def _exclusive_file(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Portable fallback lock: whoever creates ``path`` first holds it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            break
+        except FileExistsError:
+            if time.monotonic() > deadline:
+                raise RegistryError(f"{path} has been held for {timeout:.0f} s; if no mlxd "
+                                    "process is writing the registry, delete it") from None
+            time.sleep(0.02)
+    try:
+        yield
+    finally:
+        os.unlink(path)
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created if missing) across processes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        with _exclusive_file(path.with_name(path.name + ".excl")):
+            yield
+        return
+    with open(path, "a+b") as fh:  # flock dies with the process: no stale locks
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
 class RegistryFile:
     """A registry YAML file on disk; reads validate, writes are atomic and serialized."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold this process's and every other process's writers off the file."""
+        with self._lock, file_lock(self.path.with_name(f".{self.path.name}-lock")):
+            yield
 
     def exists(self) -> bool:
         return self.path.exists()
@@ -159,7 +212,7 @@ class RegistryFile:
 
     def upsert(self, entry: ModelEntry) -> bool:
         """Add or replace ``entry`` by name; returns True when it replaced one."""
-        with self._lock:
+        with self.locked():
             data = self.load()
             replaced = any(m.name == entry.name for m in data.models)
             data.models = [entry if m.name == entry.name else m for m in data.models]
@@ -169,7 +222,7 @@ class RegistryFile:
             return replaced
 
     def remove(self, name: str) -> bool:
-        with self._lock:
+        with self.locked():
             data = self.load()
             kept = [m for m in data.models if m.name != name]
             if len(kept) == len(data.models):
