@@ -288,6 +288,15 @@ def test_store_evicts_by_bytes_and_refuses_what_cannot_fit() -> None:
     assert store.nbytes == store.get("c").nbytes  # type: ignore[union-attr]
 
 
+def test_store_byte_limit_counts_utf8_bytes_not_characters() -> None:
+    message = [{"role": "user", "content": "日本語" * 100}]  # 300 characters, 900 bytes
+    json_bytes = len(json.dumps(message, ensure_ascii=False).encode("utf-8"))
+    assert not ResponseStore(max_items=10, max_bytes=600).put({"id": "cjk"}, message)
+    store = ResponseStore(max_items=10, max_bytes=2000)
+    assert store.put({"id": "cjk"}, message)
+    assert store.nbytes == json_bytes + len(json.dumps({"id": "cjk"}))
+
+
 def test_server_store_is_bounded_by_response_store_max(client: OpenAI,
                                                        agent: tuple[RunningServer, Any],
                                                        loader: ScriptedLoader) -> None:

@@ -1,6 +1,6 @@
 """Stored responses for ``previous_response_id`` and ``GET /v1/responses/{id}``.
 
-Bounded by count and by bytes (the JSON size of what is kept); the least
+Bounded by count and by bytes (the UTF-8 size of its JSON); the least
 recently used response goes first. One store per app, kept on the
 ``ServerContext``; it is only touched from the event loop, so it needs no lock.
 """
@@ -26,6 +26,11 @@ class StoredResponse:
     nbytes: int
 
 
+def _utf8_len(value: Any) -> int:
+    """Bytes of ``value`` as UTF-8 JSON (characters would undercount CJK text or emoji 3-4x)."""
+    return len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+
+
 class ResponseStore:
     """An LRU map of response id -> ``StoredResponse`` under a count and a byte limit."""
 
@@ -43,8 +48,7 @@ class ResponseStore:
 
     def put(self, response: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
         """Keep ``response`` (keyed by its ``id``); False if it alone exceeds the byte limit."""
-        nbytes = len(json.dumps(response, ensure_ascii=False)) + \
-            len(json.dumps(messages, ensure_ascii=False))
+        nbytes = _utf8_len(response) + _utf8_len(messages)
         if self.max_items == 0 or nbytes > self.max_bytes:
             return False
         self.delete(response["id"])
