@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -73,11 +74,19 @@ def test_show_verify_reports_a_changed_file(acquired_tiny: tuple[Path, Path]) ->
     clean = mlxd(home, "show", "tiny", "--verify")
     assert clean.rc == 0 and clean.json["problems"] == []
     assert [c["step"] for c in clean.json["chain"]] == ["registration", "acquisition"]
+    weights = artifact / "model.safetensors"  # same size, one byte other, mtime put back:
+    st, data = weights.stat(), bytearray(weights.read_bytes())  # only sha256 can tell
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    same_size = mlxd(home, "show", "tiny", "--verify")
+    assert same_size.rc == 1
+    assert "registration.json: model.safetensors: sha256 differs" in same_size.json["problems"]
     with open(artifact / "config.json", "a") as fh:
         fh.write(" ")
     tampered = mlxd(home, "show", "tiny", "--verify")
     assert tampered.rc == 1
-    assert any("config.json" in p for p in tampered.json["problems"])
+    assert any("config.json: size" in p for p in tampered.json["problems"])
 
 
 def test_register_pushes_the_entry_to_a_running_server(acquired_tiny: tuple[Path, Path],
