@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import shutil
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -201,19 +203,44 @@ def test_unload_calls_the_persist_hook_before_the_engine_stops(
 
 
 def test_reload_builds_a_fresh_engine_tokenizer_and_parsers(
-        three_models: list[Path], test_home: Path) -> None:
-    cfg = ServerConfig(model=str(three_models[0]), served_model_name="a", home=test_home,
-                       no_starter=True)
+        three_models: list[Path], agent_model: Path, test_home: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload re-derives the tokenizer, the reasoning and tool-call parsers and each
+    request's detokenizer from the files as they are now (here: a tokenizer swapped on disk
+    for one with <think> markers and a Mistral-style template while unloaded)."""
+    import mlxd.engines.text as text_engine
+
+    detoks: list[Any] = []
+
+    class RecordingDetokenizer(text_engine.IncrementalDetokenizer):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            detoks.append(self)
+
+    monkeypatch.setattr(text_engine, "IncrementalDetokenizer", RecordingDetokenizer)
+    served = shutil.copytree(three_models[0], tmp_path / "model")
+    cfg = ServerConfig(model=str(served), served_model_name="a", home=test_home,
+                       no_starter=True, enable_prefix_cache_persist=False)
     with running_server(cfg) as srv, srv.client() as http:
         assert chat(http, "a").status_code == 200
         first = srv.ctx.manager.get("a").engine
-        old = (first, first.tokenizer, first.grammar_tokenizer)
+        assert first.reasoning is None and first.tool_format.name == "hermes"
+        assert detoks[-1]._tok is first.tokenizer
+        old = (first, first.tokenizer, first.grammar_tokenizer, detoks[-1])
         assert http.post("/v1/models/unload", json={"model": "a"}).status_code == 200
+        for name in ("tokenizer.json", "special_tokens_map.json"):
+            shutil.copy(agent_model / name, served / name)
+        tok_cfg = json.loads((agent_model / "tokenizer_config.json").read_text())
+        tok_cfg["chat_template"] += "{# [TOOL_CALLS] #}"
+        (served / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
         assert http.post("/v1/models/load", json={"model": "a"}).status_code == 200
-        second = srv.ctx.manager.get("a").engine
-        new = (second, second.tokenizer, second.grammar_tokenizer)
-        assert all(a is not b for a, b in zip(old, new))
         assert chat(http, "a").status_code == 200
+        second = srv.ctx.manager.get("a").engine
+        new = (second, second.tokenizer, second.grammar_tokenizer, detoks[-1])
+        assert all(a is not b for a, b in zip(old, new))
+        assert detoks[-1]._tok is second.tokenizer  # this request decodes with the new one
+        assert second.reasoning is not None and second.reasoning.start == "<think>"
+        assert second.tool_format.name == "mistral"
 
 
 def test_unload_without_wait_is_409_while_in_use_and_waits_by_default(
