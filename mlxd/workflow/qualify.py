@@ -5,8 +5,9 @@ server built in this process with ``build_app`` (on 127.0.0.1, a free port,
 only this entry registered) or a running one given with ``--url``. The checks
 for its kind (``qualify_checks``) run against the HTTP endpoints, then a short
 ``mlxd bench`` run (text). ``qualification.json`` records every check, the
-figures and the versions of mlx, mlx-lm and mlxd; the registry entry gets the
-summary that ``mlxd serve --require-qualified`` reads.
+figures, the versions of mlx, mlx-lm and mlxd, and the size and sha256 of every
+model file (hashed before the checks); ``mlxd serve --require-qualified`` re-hashes
+the files against those. The registry entry gets a summary for people to read.
 """
 
 from __future__ import annotations
