@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -188,14 +189,49 @@ def run(args: argparse.Namespace) -> int:
             if self.started and "ctx" in ready:
                 print(_ready_line(ready["ctx"], config.host, config.port), flush=True)
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            # Before uvicorn waits for in-flight requests: those waiting for a
+            # load get a 503 now instead of being cancelled mid-wait.
+            if "ctx" in ready:
+                ready["ctx"].manager.begin_shutdown()
+            await super().shutdown(sockets)
+
     server = guarded_server(app, config, server_class=Server, log_level=config.log_level,
                             timeout_graceful_shutdown=5)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # uvicorn re-raises SIGTERM after its graceful shutdown (the process would
+    # die by the signal); a clean shutdown on SIGTERM exits 0 instead.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         asyncio.run(server.serve())
     except KeyboardInterrupt:
         pass
-    return 0 if server.started else 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    code = 0 if server.started else 1
+    _exit_past_abandoned_loads(code)
+    return code
+
+
+def _exit_past_abandoned_loads(code: int) -> None:
+    """Exit now if a model thread still runs (a load shutdown gave up on).
+
+    Python ends daemon threads at interpreter exit by unwinding them from
+    wherever they are; inside native model code that aborts the process
+    ("exception not rethrown"). Nothing is lost by skipping finalisation:
+    engines are closed, files are written atomically; logs are flushed here.
+    """
+    from mlxd.engines.worker import running_workers
+
+    busy = running_workers()
+    if not busy:
+        return
+    logging.getLogger("mlxd").warning("exiting while model thread(s) still load: %s",
+                                      ", ".join(busy))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

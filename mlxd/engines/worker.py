@@ -28,10 +28,17 @@ class Stepper(Protocol):
 
 
 _STOP = object()
+THREAD_PREFIX = "mlxd-model-"
 
 # Whole-batch step failures in a row after which a model counts as broken
 # (one failure can be a bad request; several in a row fail everyone).
 FAILING_AFTER = 3
+
+
+def running_workers() -> list[str]:
+    """Names of model worker threads still running (e.g. a load shutdown abandoned)."""
+    return [t.name.removeprefix(THREAD_PREFIX) for t in threading.enumerate()
+            if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
 
 
 class ModelWorker:
@@ -41,7 +48,7 @@ class ModelWorker:
         self.name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stepper: Stepper | None = None
-        self._thread = threading.Thread(target=self._run, name=f"mlxd-model-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_PREFIX + name, daemon=True)
         self._stopping = threading.Event()
         self._started = False
         self.step_failures = 0  # consecutive whole-batch step failures

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,7 @@ class ModelManager:
         self._device_lock = asyncio.Lock()
         self._reaper: asyncio.Task[None] | None = None
         self._closing = False
+        self._closed = asyncio.Event()  # set when shutdown begins: load waiters give up
         self.evictions = 0
 
     # -- registry -----------------------------------------------------------
@@ -229,7 +230,7 @@ class ModelManager:
                         retry_after=5, code="model_unhealthy")
                 return
             if res.state == State.LOADING:
-                await res.wait_loaded()
+                await self._until_closing(res.wait_loaded())
                 continue
             async with self._lock:
                 if res.state in (State.LOADED, State.LOADING) or res.draining:
@@ -237,8 +238,22 @@ class ModelManager:
                 if not await self._make_room(res, deadline):
                     continue
                 task = res.start_load()
-            await asyncio.shield(task)
+            await self._until_closing(asyncio.shield(task))
             return
+
+    async def _until_closing(self, wait: Awaitable[Any]) -> None:
+        """Await a load, unless shutdown begins first (then 503; the load is shutdown's)."""
+        waiter = asyncio.ensure_future(wait)
+        closing = asyncio.ensure_future(self._closed.wait())
+        try:
+            done, _ = await asyncio.wait((waiter, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not waiter.done():
+                waiter.cancel()
+        if waiter not in done:
+            raise Overloaded("The server is shutting down.", retry_after=5)
+        waiter.result()
 
     async def _wait_change(self, deadline: float, res: ResidencyManager, why: str) -> None:
         remaining = deadline - time.monotonic()
@@ -283,7 +298,7 @@ class ModelManager:
                 await asyncio.wait_for(self._changed.wait(), timeout=remaining)
             except asyncio.TimeoutError:
                 pass
-            if res.state in (State.LOADED, State.LOADING):
+            if res.state in (State.LOADED, State.LOADING) or self._closing:
                 return False
         return True
 
@@ -346,9 +361,19 @@ class ModelManager:
                     except Exception:
                         log.exception("idle unload of %s failed", res.name)
 
-    async def shutdown(self, timeout: float = 8.0) -> None:
-        """Close every engine, even mid-load or mid-unload; bounded by ``timeout``."""
+    def begin_shutdown(self) -> None:
+        """Refuse new work from now on (503); requests waiting for a load stop waiting.
+
+        Called as the server starts its graceful shutdown, before it waits for
+        in-flight requests, so none of them waits for a load that shutdown
+        will abandon. Leases already held keep their engine until released.
+        """
         self._closing = True
+        self._closed.set()
+
+    async def shutdown(self, timeout: float = 8.0) -> None:
+        """Save state and close every engine, even mid-load or mid-unload; bounded by ``timeout``."""
+        self.begin_shutdown()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(BaseException):

@@ -218,6 +218,7 @@ class ResidencyManager:
         loaded = LoadedModel(engine, worker)
         if self._closing or self.retired:
             # Shutdown or removal happened while the load ran: never go live.
+            log.info("model %s: loaded after shutdown or removal began; closing it", self.name)
             await self._close(loaded)
             raise await self._give_up()
         self.loaded = loaded
