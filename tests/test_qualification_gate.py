@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -126,6 +127,16 @@ def test_startup_applies_the_gate_in_every_app(home: Path) -> None:
 
     with pytest.raises(ValueError, match="plain: no qualification"):
         asyncio.run(start())
+
+
+def test_qualify_own_server_ignores_require_qualified_from_the_environment(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxd.workflow.qualify import in_process_server
+
+    monkeypatch.setenv("MLXD_REQUIRE_QUALIFIED", "1")  # else nothing could ever be qualified
+    registry = RegistryFile(home / "models.yaml")
+    with in_process_server(find_entry(registry, "plain"), registry, home) as url:
+        assert httpx.get(url + "/health", timeout=30, trust_env=False).status_code == 200
 
 
 # -- PUT /v1/models --------------------------------------------------------------------

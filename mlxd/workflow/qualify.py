@@ -62,9 +62,11 @@ def in_process_server(entry: ModelEntry, registry: RegistryFile, home: Path,
     from mlxd.models.manager import ManagerPolicy
     from mlxd.server.app import build_app
 
-    config = ServerConfig(home=home, no_starter=True, host="127.0.0.1", port=_free_port(),
-                          api_key=None, admin_api_key=None, models_config=None,
-                          **(overrides or {}))
+    # require_qualified off even if MLXD_REQUIRE_QUALIFIED is set: this run is what qualifies.
+    config = ServerConfig(**{"home": home, "no_starter": True, "host": "127.0.0.1",
+                             "port": _free_port(), "api_key": None, "admin_api_key": None,
+                             "models_config": None, **(overrides or {}),
+                             "require_qualified": False})
     manager = registry.load().manager
     budget = parse_budget(config.memory_budget if config.memory_budget is not None
                           else manager.memory_budget)
