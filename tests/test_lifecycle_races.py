@@ -122,6 +122,28 @@ def test_an_unload_queued_behind_a_new_lease_is_refused(tiny_model: Path,
     run_with_manager(tiny_model, tmp_path / "home", scenario)
 
 
+def test_a_request_arriving_during_a_drain_does_not_hold_the_drain_up(
+        tiny_model: Path, tmp_path: Path) -> None:
+    async def scenario(manager: ModelManager, loader: GatedLoader) -> None:
+        res = await manager.load("a")
+        first = res.engine
+        in_flight = await manager.acquire("a")
+        unload = asyncio.create_task(manager.unload("a"))  # POST /v1/models/unload, wait=true
+        await asyncio.sleep(0)
+        assert res.draining  # waits for the request in flight
+        newcomer = asyncio.create_task(manager.acquire("a"))
+        await asyncio.sleep(0)
+        await in_flight.release()
+        # Generous bounds: the newcomer must not hold the drain up until it gives up (60 s).
+        assert await asyncio.wait_for(unload, 30) is True
+        lease = await asyncio.wait_for(newcomer, 30)
+        assert is_closed(first)
+        assert lease.engine is not first and not is_closed(lease.engine)
+        await lease.release()
+
+    run_with_manager(tiny_model, tmp_path / "home", scenario)
+
+
 # -- item 12: deleting / replacing a model while a request waits for it ------------------
 
 

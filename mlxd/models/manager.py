@@ -187,15 +187,19 @@ class ModelManager:
         self.check_kind(name, kinds, endpoint)
         deadline = time.monotonic() + self.policy.wait_timeout_s
         while True:
+            if self._closing:
+                raise Overloaded("The server is shutting down.", retry_after=5)
             async with self._lock:
                 # Resolved under the lock: a model removed while this request
-                # waited for the lock is never leased (nor loaded) again.
+                # waited for the lock is never leased (nor loaded) again. Nor
+                # is one being drained: a lease taken now would hold the drain
+                # up until this request gave up waiting for it.
                 self.check_kind(name, kinds, endpoint)
                 res = self.get(name)
-                if not res.retired:
+                if not res.retired and not res.draining:
                     res.leases += 1
                     break
-            await self._wait_change(deadline, res, "is being removed or replaced")
+            await self._wait_change(deadline, res, "is being unloaded, removed or replaced")
         try:
             await self._ensure_loaded(res)
         except BaseException:
