@@ -86,6 +86,26 @@ def smollm2_server(smollm2: Path, test_home: Path) -> Iterator[RunningServer]:
         yield srv
 
 
+@pytest.fixture(scope="session")
+def mixed_server(tiny_model: Path, session_dir: Path,
+                 test_home: Path) -> Iterator[RunningServer]:
+    """One server with a model of each HTTP family: chat ``tiny``, embedding
+    ``all-minilm-l6-v2`` (starter wheel) and a random tiny cross-encoder ``rerank``."""
+    from mlxd.models.spec import ModelEntry
+    from mlxd.models.starter import STARTER_EMBEDDING
+    from tests.helpers.cross_encoders import build_tiny_roberta
+    from tests.helpers.retrieval import registry_config
+
+    rerank = session_dir / "mixed-rerank"
+    if not (rerank / "config.json").exists():
+        build_tiny_roberta(rerank)
+    entries = [ModelEntry(name="tiny", source=str(tiny_model)), STARTER_EMBEDDING.model_copy(),
+               ModelEntry(name="rerank", source=str(rerank))]
+    cfg = registry_config(session_dir / "mixed-models.yaml", entries, test_home)
+    with running_server(cfg) as srv:
+        yield srv
+
+
 @pytest.fixture
 def fresh_home(tmp_path: Path) -> Iterator[Path]:
     home = tmp_path / "home"

@@ -45,6 +45,13 @@ class GrammarTokenizer:
         if is_error:
             raise InvalidRequest(f"Invalid constraint: {messages[0] if messages else 'error'}",
                                  param=param)
+        # A grammar can compile and still admit nothing: the matcher fails at once.
+        matcher = LLMatcher(self.ll, grammar, log_level=0)
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            reason = matcher.get_error().splitlines()[0] if matcher.get_error() else "error"
+            raise InvalidRequest(f"Invalid constraint: it admits no output ({reason}).",
+                                 param=param)
 
     def processor(self, grammar: str) -> LogitsProcessor:
         """A fresh logits processor that masks every token the grammar forbids."""

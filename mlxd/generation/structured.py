@@ -14,6 +14,7 @@ from typing import Any
 
 from mlxd.errors import InvalidRequest
 from mlxd.generation.params import Constraint, ToolChoice, ToolSpec
+from mlxd.generation.schema_limits import check_schema_depth, check_schema_satisfiable
 from mlxd.generation.tools import ToolCallFormat
 
 # Bound schema size and depth of generated grammars: a hostile schema must not
@@ -29,12 +30,15 @@ def _check_json_schema(schema: Any) -> None:
     if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
         raise InvalidRequest(f"The JSON schema is larger than {MAX_SCHEMA_BYTES} bytes.",
                              param="response_format")
+    # Depth first: the validator below recurses once per level.
+    check_schema_depth(schema, param="response_format")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         path = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise InvalidRequest(f"Invalid JSON schema at {path}: {e.message}",
                              param="response_format") from None
+    check_schema_satisfiable(schema, param="response_format")
 
 
 def grammar_for(constraint: Constraint) -> str:

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 
 class _Lenient(BaseModel):
@@ -50,7 +58,7 @@ class ToolResultBlock(_Lenient):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: str | list[ToolResultPart] | None = None
-    is_error: bool | None = None
+    is_error: StrictBool | None = None
 
 
 class ThinkingBlock(_Lenient):
@@ -96,7 +104,7 @@ class Tool(_Lenient):
 class ToolChoice(_Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: StrictBool | None = None
 
     @model_validator(mode="after")
     def _named(self) -> ToolChoice:
@@ -107,7 +115,7 @@ class ToolChoice(_Lenient):
 
 class Thinking(_Lenient):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = Field(None, ge=0)
+    budget_tokens: StrictInt | None = Field(None, ge=0)
 
 
 class OutputFormat(_Lenient):
@@ -135,14 +143,14 @@ class MessagesInput(_Lenient):
 
 
 class MessagesRequest(MessagesInput):
-    max_tokens: int = Field(ge=0)  # 0: check and count the prompt, generate nothing
+    max_tokens: StrictInt = Field(ge=0)  # 0: check and count the prompt, generate nothing
     stop_sequences: list[str] | None = Field(None, max_length=16)
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
-    stream: bool = False
+    stream: StrictBool = False
 
 
 class CountTokensRequest(MessagesInput):

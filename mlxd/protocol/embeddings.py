@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 class EmbeddingRequest(BaseModel):
@@ -20,5 +20,5 @@ class EmbeddingRequest(BaseModel):
     model: str = Field(min_length=1)
     input: str | list[Any]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, gt=0)
+    dimensions: StrictInt | None = Field(None, gt=0)
     user: str | None = None

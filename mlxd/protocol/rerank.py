@@ -8,7 +8,7 @@ other fields of those objects are ignored. Unknown top-level fields (Cohere's
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 
 class RerankDocument(BaseModel):
@@ -23,5 +23,5 @@ class RerankRequest(BaseModel):
     model: str = Field(min_length=1)
     query: str
     documents: list[str | RerankDocument]
-    top_n: int | None = Field(None, ge=1)
-    return_documents: bool = True
+    top_n: StrictInt | None = Field(None, ge=1)
+    return_documents: StrictBool = True

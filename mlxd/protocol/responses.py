@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    Tag,
+)
 
 
 class _Lenient(BaseModel):
@@ -100,7 +109,7 @@ class FunctionTool(_Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class NamedFunctionChoice(_Lenient):
@@ -113,7 +122,7 @@ class TextFormat(_Lenient):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class TextConfig(_Lenient):
@@ -131,22 +140,22 @@ class ResponsesRequest(_Lenient):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunctionChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stream: bool = False
-    store: bool = True
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    stream: StrictBool = False
+    store: StrictBool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     # mlxd extensions
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
-    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, le=2**64 - 1)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0, allow_inf_nan=False)
     stop: str | list[str] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     regex: str | None = None

@@ -137,8 +137,15 @@ def canonical_messages(req: MessagesInput) -> list[dict[str, Any]]:
     if system:
         out.append({"role": "system", "content": system})
     names: dict[str, str] = {}
+    last = len(req.messages) - 1
     for i, message in enumerate(req.messages):
         where = f"messages[{i}]"
+        if isinstance(message.content, list) and not message.content and \
+                not (i == last and message.role == "assistant"):
+            # Anthropic's rule and words: only a final assistant turn may be empty.
+            raise InvalidRequest(f"{where}: all messages must have non-empty content except "
+                                 "for the optional final assistant message",
+                                 param=f"{where}.content")
         if message.role == "user":
             out.extend(_user_messages(message, names, where))
         else:
@@ -156,7 +163,8 @@ def tool_choice(choice: AnthropicToolChoice | None, tools: list[ToolSpec]) -> To
     """auto -> auto, any -> required, tool -> the named function, none -> none."""
     if choice is None:
         return resolve_tool_choice(None, None, tools)
-    return resolve_tool_choice(_CHOICE_MODES[choice.type], choice.name, tools)
+    return resolve_tool_choice(_CHOICE_MODES[choice.type], choice.name, tools,
+                               shown=choice.type)
 
 
 def constraint(req: MessagesRequest) -> Constraint | None:
@@ -179,6 +187,8 @@ def template_kwargs(req: MessagesInput, defaults: ServingDefaults) -> dict[str, 
 
 def is_prefill(messages: list[dict[str, Any]]) -> bool:
     """A last assistant turn with text and no tool calls is continued, not answered."""
+    if not messages:
+        return False
     last = messages[-1]
     return last["role"] == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
 

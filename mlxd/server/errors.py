@@ -16,13 +16,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from mlxd.errors import MlxdError
 
 log = logging.getLogger(__name__)
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 409: "invalid_request_error",
+                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                    409: "invalid_request_error", 422: "invalid_request_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                     507: "invalid_request_error", 500: "api_error"}
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -49,6 +51,21 @@ def error_response(request: Request, status: int, message: str, *,
                    headers: dict[str, str] | None = None, **kw: Any) -> JSONResponse:
     return JSONResponse(error_body(request, status, message, **kw), status_code=status,
                         headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette names only the first route's)."""
+    scope = {**request.scope, "method": "\0"}  # no route serves it: a partial match each
+    methods: set[str] = set()
+    routes = list(request.app.router.routes)
+    while routes:
+        route = routes.pop()
+        included = getattr(route, "original_router", None)  # FastAPI keeps routers nested
+        if included is not None:
+            routes.extend(included.routes)
+        elif getattr(route, "methods", None) and route.matches(scope)[0] != Match.NONE:
+            methods |= set(route.methods)
+    return sorted(methods)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -90,10 +107,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        headers = getattr(exc, "headers", None)
         if exc.status_code == 404:
             message = f"No route {request.method} {request.url.path}"
-        return error_response(request, exc.status_code, message,
-                              headers=getattr(exc, "headers", None))
+        elif exc.status_code == 405:
+            allowed = allowed_methods(request)
+            message = (f"Method {request.method} is not allowed on {request.url.path}; "
+                       f"allowed: {', '.join(allowed)}.")
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+        return error_response(request, exc.status_code, message, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

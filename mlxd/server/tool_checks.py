@@ -9,6 +9,7 @@ from typing import Any
 
 from mlxd.errors import InvalidRequest
 from mlxd.generation.params import ToolChoice, ToolSpec
+from mlxd.generation.schema_limits import check_schema_depth, check_schema_satisfiable
 
 EMPTY_OBJECT_SCHEMA: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -23,6 +24,7 @@ def check_json_schema(schema: Any, *, param: str, want_object: bool = False) -> 
 
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{param} must be a JSON Schema object.", param=param)
+    check_schema_depth(schema, param=param)  # before the validator recurses through it
     try:
         validators.validator_for(schema).check_schema(schema)
     except exceptions.SchemaError as e:
@@ -30,6 +32,7 @@ def check_json_schema(schema: Any, *, param: str, want_object: bool = False) -> 
         at = f" at '{where}'" if where else ""
         raise InvalidRequest(f"{param} is not a valid JSON Schema{at}: {e.message}",
                              param=param) from None
+    check_schema_satisfiable(schema, param=param)
     if want_object and schema.get("type", "object") != "object":
         raise InvalidRequest(f"{param} must describe an object (\"type\": \"object\"), "
                              f"not {schema.get('type')!r}.", param=param)
@@ -53,14 +56,18 @@ def tool_spec_list(tools: Iterable[tuple[str, str | None, dict[str, Any] | None]
 
 
 def resolve_tool_choice(mode: str | None, name: str | None, tools: list[ToolSpec], *,
-                        param: str = "tool_choice") -> ToolChoice:
-    """``mode``: auto / none / required / function (then ``name`` must be one of ``tools``)."""
+                        param: str = "tool_choice", shown: str | None = None) -> ToolChoice:
+    """``mode``: auto / none / required / function (then ``name`` must be one of ``tools``).
+
+    ``shown`` is the client's own word for the mode in errors (Anthropic's ``any``).
+    """
     if mode is None:
         return ToolChoice("auto" if tools else "none")
     if mode == "none":
         return ToolChoice("none")
     if not tools:
-        raise InvalidRequest(f"{param} '{mode}' requires tools to be specified.", param=param)
+        raise InvalidRequest(f"{param} '{shown or mode}' requires tools to be specified.",
+                             param=param)
     if mode == "function":
         if name not in {t.name for t in tools}:
             known = ", ".join(t.name for t in tools)

@@ -28,10 +28,11 @@ from mlxd.generation.truncated import parse_partial_json
 from mlxd.protocol.anthropic import CountTokensRequest, MessagesRequest
 from mlxd.server.anthropic_input import generation_request
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.sse import SSE_HEADERS, sse_event
 from mlxd.server.text_session import TextSession, finish_of
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINT = "/v1/messages"
 COUNT_ENDPOINT = "/v1/messages/count_tokens"
 

@@ -22,6 +22,7 @@ from mlxd.generation.events import (
 from mlxd.generation.params import GenerationRequest
 from mlxd.protocol.openai import ChatCompletionRequest
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import constraint, tool_choice, tool_specs
 from mlxd.server.sse import SSE_DONE, SSE_HEADERS, sse_data
 from mlxd.server.text_session import (
@@ -34,7 +35,7 @@ from mlxd.server.text_session import (
     usage_openai,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINT = "/v1/chat/completions"
 
 

@@ -17,6 +17,7 @@ from mlxd.generation.params import GenerationRequest
 from mlxd.models.spec import ModelKind
 from mlxd.protocol.openai import CompletionRequest
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import constraint
 from mlxd.server.routes.chat import finish_reason
 from mlxd.server.sse import SSE_DONE, SSE_HEADERS, sse_data
@@ -30,7 +31,7 @@ from mlxd.server.text_session import (
     usage_openai,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINT = "/v1/completions"
 COMPLETION_KINDS = (ModelKind.TEXT,)
 

@@ -17,8 +17,9 @@ from mlxd.errors import InvalidRequest
 from mlxd.models.spec import EMBEDDING_KINDS
 from mlxd.protocol.embeddings import EmbeddingRequest
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.json_body import StrictJSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINT = "/v1/embeddings"
 _SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -30,10 +31,11 @@ def _is_token_id(value: Any) -> bool:
 def _token_list(value: list[Any], where: str) -> list[int]:
     if not value:
         raise InvalidRequest(f"{where} is an empty token list.", param="input")
-    bad = next((v for v in value if not _is_token_id(v) or v < 0), None)
+    # By position, not value: a bad item may itself be None.
+    bad = next((i for i, v in enumerate(value) if not _is_token_id(v) or v < 0), None)
     if bad is not None:
-        raise InvalidRequest(f"{where} has {bad!r}; token ids are non-negative integers.",
-                             param="input")
+        raise InvalidRequest(f"{where}[{bad}] is {value[bad]!r}; token ids are non-negative "
+                             "integers.", param="input")
     return list(value)
 
 

@@ -18,8 +18,9 @@ from mlxd.errors import InvalidRequest
 from mlxd.models.spec import RERANK_KINDS
 from mlxd.protocol.rerank import RerankRequest
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.json_body import StrictJSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINTS = ("/v1/rerank", "/rerank", "/v2/rerank")
 
 

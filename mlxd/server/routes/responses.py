@@ -19,13 +19,14 @@ from mlxd.errors import GenerationFailed, InvalidRequest, NotFound
 from mlxd.generation.events import Finish
 from mlxd.protocol.responses import ResponsesRequest
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.response_store import ResponseStore, response_store
 from mlxd.server.responses_input import conversation, generation_request
 from mlxd.server.responses_output import ResponseRun
 from mlxd.server.sse import SSE_HEADERS, sse_event
 from mlxd.server.text_session import TextSession, finish_of
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINT = "/v1/responses"
 
 

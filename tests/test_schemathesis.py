@@ -1,0 +1,108 @@
+"""Schemathesis against the server's own /openapi.json: no input gives a 5xx, and every
+answer matches the document (status, content type, body schema).
+
+A bounded run on a real server (127.0.0.1) with a model of each family. Valid model
+names are patched into ``model`` fields and ``max_tokens``/``n`` are capped, so the run
+exercises the requests rather than 404s and long generations. Reproduce a failure with
+the printed seed: ``MLXD_SCHEMATHESIS_SEED=<seed> pytest tests/test_schemathesis.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from mlxd.config import ServerConfig
+from mlxd.server.app import build_app
+from tests.helpers.server import RunningServer
+
+SEED = int(os.environ.get("MLXD_SCHEMATHESIS_SEED", "20261601"))
+EXAMPLES = int(os.environ.get("MLXD_SCHEMATHESIS_EXAMPLES", "30"))
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+          response_schema_conformance]
+
+MODEL_FOR_PATH = {"/v1/embeddings": "all-minilm-l6-v2", "/v1/rerank": "rerank",
+                  "/rerank": "rerank", "/v2/rerank": "rerank"}
+TOKEN_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2,
+              "best_of": 2}
+# Admin routes that change what the server serves: fuzzing them would unregister or
+# unload the models the rest of the run needs. Their 4xx paths are tested elsewhere.
+MUTATING = [("PUT", "/v1/models"), ("DELETE", "/v1/models/{name}")]
+
+
+def patch_body(path: str, body: Any) -> Any:
+    """A known model name for ``model``, small generation limits, and a message where the
+    generated conversation is empty (so more cases reach generation; only on objects)."""
+    if not isinstance(body, dict):
+        return body
+    if "model" in body and path != "/v1/models/unload":
+        body["model"] = MODEL_FOR_PATH.get(path, "tiny")
+    for key in ("messages", "input"):
+        if body.get(key) == [] and path != "/v1/embeddings":
+            body[key] = [{"role": "user", "content": "hi"}]
+    for key, cap in TOKEN_CAPS.items():
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+            body[key] = cap
+    return body
+
+
+def _operations() -> list[tuple[str, str]]:
+    """Every documented operation but the mutating admin ones (the document of a default
+    app; ``test_every_served_operation_is_fuzzed`` checks the server serves the same)."""
+    doc = build_app(ServerConfig()).openapi()
+    return [(method.upper(), path) for path, ops in doc["paths"].items() for method in ops
+            if (method.upper(), path) not in MUTATING]
+
+
+OPERATIONS = _operations()
+
+
+@pytest.fixture(scope="module")
+def api_schema(mixed_server: RunningServer) -> Any:
+    print(f"\nschemathesis seed: {SEED} (MLXD_SCHEMATHESIS_SEED), "
+          f"{EXAMPLES} examples per operation")
+    schema = schemathesis.openapi.from_url(mixed_server.url + "/openapi.json")
+
+    @schema.hook("map_body")
+    def _known_models(context: Any, body: Any) -> Any:
+        return patch_body(context.operation.path, body)
+
+    return schema
+
+
+def test_every_served_operation_is_fuzzed(mixed_server: RunningServer) -> None:
+    served = mixed_server.client().get("/openapi.json").json()["paths"]
+    assert {(m.upper(), p) for p, ops in served.items() for m in ops} == \
+        {*OPERATIONS, *MUTATING}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, path", OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
+def test_no_5xx_and_answers_match_the_openapi_document(
+        api_schema: Any, mixed_server: RunningServer, method: str, path: str) -> None:
+    operation = api_schema[path][method]
+    cases = st.one_of(operation.as_strategy(GenerationMode.POSITIVE),
+                      operation.as_strategy(GenerationMode.NEGATIVE))
+
+    @hypothesis_seed(SEED)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @given(case=cases)
+    def fuzz(case: Any) -> None:
+        case.call_and_validate(base_url=mixed_server.url, checks=CHECKS, timeout=120)
+
+    fuzz()
