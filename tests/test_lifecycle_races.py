@@ -360,3 +360,36 @@ def test_a_dead_worker_thread_shows_fails_fast_and_recovers_on_unload(
         assert http.post("/v1/models/unload", json={"model": "t"}).status_code == 200
         assert _ask(http).status_code == 200  # reloaded with a new worker
         assert http.get("/health").json() == {**health, "status": "ok", "unhealthy": {}}
+
+
+def test_an_encoder_whose_every_batch_fails_is_reported_broken() -> None:
+    """Embedding/rerank batchers fail a batch's requests themselves; that counts too."""
+    import numpy as np
+
+    from mlxd.engines.token_batcher import Encoded, TokenBatcher
+    from mlxd.engines.worker import ModelWorker
+
+    failing = threading.Event()
+    failing.set()
+
+    def forward(rows: Any) -> Any:
+        if failing.is_set():
+            raise RuntimeError("injected encoder fault")
+        return np.zeros((len(rows), 2), dtype=np.float32)
+
+    worker = ModelWorker("encoder")
+    batcher = TokenBatcher(forward, wake=worker.wake)
+    worker.set_stepper(batcher)
+    worker.start()
+    try:
+        for _ in range(FAILING_AFTER):
+            with pytest.raises(RuntimeError):
+                batcher.submit([Encoded([1, 2, 3])]).future.result(60)
+        worker.submit(lambda: None).result(60)  # the step that failed has been counted
+        assert "injected encoder fault" in (worker.fault() or "")
+        failing.clear()
+        assert batcher.submit([Encoded([1, 2])]).future.result(60).shape == (1, 2)
+        worker.submit(lambda: None).result(60)
+        assert worker.fault() is None
+    finally:
+        worker.stop()

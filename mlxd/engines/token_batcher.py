@@ -140,6 +140,9 @@ class TokenBatcher:
         self.batches = 0
         self.rows = 0
         self.padded_tokens = 0
+        # The last step's failure (None after a good one): the worker counts
+        # failures in a row to report a broken model (``ModelWorker.fault``).
+        self.step_error: BaseException | None = None
 
     # -- event-loop side ------------------------------------------------------
     def submit(self, inputs: list[Encoded]) -> BatchJob:
@@ -174,9 +177,11 @@ class TokenBatcher:
             out = self._forward([it.job.inputs[it.index] for it in batch])
         except Exception as e:  # fail the requests in this batch, keep serving others
             log.exception("encoder batch of %d rows failed", len(batch))
+            self.step_error = e
             for it in batch:
                 it.job.fail(e)
             return
+        self.step_error = None
         longest = max(it.length for it in batch)
         self.batches += 1
         self.rows += len(batch)

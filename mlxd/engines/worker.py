@@ -75,8 +75,8 @@ class ModelWorker:
         if self.dead:
             return f"the model's worker thread died ({self.death or 'unknown cause'})"
         if self.step_failures >= FAILING_AFTER:
-            return (f"the last {self.step_failures} scheduler steps failed for the whole batch "
-                    f"({self.last_step_error})")
+            return (f"the last {self.step_failures} batch steps in a row failed for their "
+                    f"whole batch ({self.last_step_error})")
         return None
 
     def set_stepper(self, stepper: Stepper | None) -> None:
@@ -143,12 +143,19 @@ class ModelWorker:
             if stepper is not None and stepper.has_work() and not self._stopping.is_set():
                 try:
                     stepper.step()
-                    self.step_failures = 0
                 except Exception as e:  # a broken step must not kill the worker
-                    self.step_failures += 1
-                    self.last_step_error = f"{type(e).__name__}: {e}"
+                    self._count_step(e)
                     log.exception("model %s: scheduler step failed", self.name)
                     stepper.fail_all(e)
+                else:  # a stepper that fails a batch itself says so in ``step_error``
+                    self._count_step(getattr(stepper, "step_error", None))
+
+    def _count_step(self, error: BaseException | None) -> None:
+        if error is None:
+            self.step_failures = 0
+        else:
+            self.step_failures += 1
+            self.last_step_error = f"{type(error).__name__}: {error}"
 
     @staticmethod
     def _run_job(item: Any) -> None:
