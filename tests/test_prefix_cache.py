@@ -24,11 +24,13 @@ def cached(resp: dict) -> int:
 
 
 def test_cached_and_uncached_prefixes_give_the_same_tokens(tiny_model_b: Path,
-                                                           test_home: Path) -> None:
+                                                           tmp_path: Path) -> None:
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first"}]
     other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "second"}]
-    cold_cfg = ServerConfig(model=str(tiny_model_b), served_model_name="m", home=test_home,
-                            no_starter=True, prefix_cache_bytes=0)
+    # A home of its own: servers save their prefix cache at shutdown, and this test
+    # needs the warm server to start cold.
+    cold_cfg = ServerConfig(model=str(tiny_model_b), served_model_name="m",
+                            home=tmp_path / "home", no_starter=True, prefix_cache_bytes=0)
     with running_server(cold_cfg) as srv, srv.client() as http:
         cold = [chat(http, msgs), chat(http, other)]
         assert [cached(c) for c in cold] == [0, 0]
