@@ -41,6 +41,15 @@ class ServerConfig(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = 32 * 1024 * 1024
     cors_origins: list[str] = Field(default_factory=list)
+    header_timeout: float = Field(20.0, gt=0, description=(
+        "seconds for a client to send a whole request head (then 408 and close)"))
+    body_timeout: float = Field(60.0, gt=0, description=(
+        "seconds a request body may stall between reads (then 408 and close)"))
+    max_connections: int | None = Field(None, gt=0, description=(
+        "open connections at most; default min(1024, open-file limit less a reserve)"))
+    log_repeat_interval: float = Field(10.0, gt=0, description=(
+        "repeated connection errors (timeouts, accept failures) are logged once per this "
+        "many seconds, with a count"))
 
     # Generation defaults and limits
     max_tokens: int = 512

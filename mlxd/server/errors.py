@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from mlxd.errors import MlxdError
@@ -116,6 +117,14 @@ def install_error_handlers(app: FastAPI) -> None:
                        f"allowed: {', '.join(allowed)}.")
             headers = {**(headers or {}), "Allow": ", ".join(allowed)}
         return error_response(request, exc.status_code, message, headers=headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # the client left (or was cut off by --body-timeout) mid-body: not a server error, and
+        # logging a traceback for each would let slow clients flood the log
+        log.debug("client disconnected during %s %s", request.method, request.url.path)
+        return error_response(request, 400, "Client disconnected before sending the whole "
+                                            "request body.")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -14,6 +14,7 @@ import uvicorn
 
 from mlxd.config import ServerConfig
 from mlxd.server.app import build_app
+from mlxd.server.connections import guarded_server
 
 
 def free_port() -> int:
@@ -23,13 +24,14 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, app: Any, port: int) -> None:
+    def __init__(self, app: Any, port: int, config: ServerConfig | None = None) -> None:
         self.app = app
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        # the same guarded uvicorn server as `mlxd serve` (timeouts, connection cap)
+        cfg = (config or ServerConfig()).model_copy(update={"port": port, "host": "127.0.0.1"})
+        self.server: uvicorn.Server = guarded_server(app, cfg, log_level="warning",
+                                                     lifespan="on", timeout_graceful_shutdown=5)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -60,7 +62,7 @@ def running_server(config: ServerConfig | None = None, **kw: Any) -> Iterator[Ru
     cfg = config or ServerConfig()
     cfg = cfg.model_copy(update={"port": port, "host": "127.0.0.1"})
     app = build_app(cfg, **kw)
-    srv = RunningServer(app, port)
+    srv = RunningServer(app, port, cfg)
     srv.start()
     try:
         yield srv
