@@ -206,8 +206,9 @@ def test_a_sequence_whose_setup_fails_releases_its_lease(tiny_server: RunningSer
 
 # -- B4: refused input costs almost nothing -------------------------------------------------
 
-def _peak_rss_growth_mb(send: Callable[[], Any]) -> tuple[Any, float]:
-    """Run ``send`` and return its result and this process's peak RSS growth (MB)."""
+def _post_measured(http: httpx.Client, path: str, body: bytes) -> tuple[httpx.Response, float]:
+    """POST ``body`` and return the response and this process's (the server's) peak
+    RSS growth meanwhile, in MB."""
     status = Path("/proc/self/status")
 
     def kb(field: str) -> int:
@@ -216,8 +217,8 @@ def _peak_rss_growth_mb(send: Callable[[], Any]) -> tuple[Any, float]:
 
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     base = kb("VmRSS:")
-    result = send()
-    return result, (kb("VmHWM:") - base) / 1024
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    return r, (kb("VmHWM:") - base) / 1024
 
 
 def test_a_huge_prompt_is_refused_quickly_without_tokenising_it(http: httpx.Client) -> None:
@@ -228,8 +229,7 @@ def test_a_huge_prompt_is_refused_quickly_without_tokenising_it(http: httpx.Clie
     del words
     for path, body in zip(["/v1/chat/completions", "/v1/completions"], bodies):
         start = time.monotonic()
-        r, growth = _peak_rss_growth_mb(lambda: http.post(
-            path, content=body, headers={"content-type": "application/json"}))  # noqa: B023
+        r, growth = _post_measured(http, path, body)
         elapsed = time.monotonic() - start
         err = assert_openai_error(r, 400, "maximum context length")
         assert err["code"] == "context_length_exceeded"
@@ -258,3 +258,63 @@ def test_a_prompt_under_the_character_bound_is_counted_in_chunks(
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": text, "max_tokens": 1})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == n
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory: pytest.TempPathFactory,
+             test_home: Path) -> Iterator[RunningServer]:
+    """The starter embedding model and a tiny cross-encoder reranker."""
+    from mlxd.models.spec import ModelEntry
+    from mlxd.models.starter import STARTER_EMBEDDING
+    from tests.helpers.cross_encoders import build_tiny_roberta
+    from tests.helpers.retrieval import registry_config
+    from tests.helpers.server import running_server
+
+    tmp = tmp_path_factory.mktemp("hostile-encoders")
+    entries = [STARTER_EMBEDDING.model_copy(),
+               ModelEntry(name="ce", source=str(build_tiny_roberta(tmp / "ce")))]
+    with running_server(registry_config(tmp / "models.yaml", entries, test_home)) as srv:
+        yield srv
+
+
+def test_encoder_token_ids_outside_the_vocabulary_are_400s(encoders: RunningServer) -> None:
+    from mlxd.models.starter import STARTER_EMBEDDING
+
+    with encoders.client() as http:
+        for token in WORST_IDS[2:]:  # MiniLM's vocabulary is 30522
+            r = http.post("/v1/embeddings", json={"model": STARTER_EMBEDDING.name,
+                                                  "input": [[101, token]]})
+            assert_openai_error(r, 400, "", param="input")
+        r = http.post("/v1/embeddings", json={"model": STARTER_EMBEDDING.name,
+                                              "input": [[101, 30521]]})
+        assert r.status_code == 200, r.text
+
+
+def test_huge_encoder_inputs_are_cut_before_tokenising(encoders: RunningServer) -> None:
+    """Embedding and rerank inputs are truncated to the model's length; the tokenizer
+    used to encode all of a huge input first (~160 bytes per character)."""
+    from mlxd.models.starter import STARTER_EMBEDDING
+
+    head = "rivers and bridges of the old town " * 200  # well past 256 tokens
+    huge = head + "lorem ipsum dolor " * (8 * 1024 * 1024 // 18)
+    embed = {"model": STARTER_EMBEDDING.name}
+    rerank = {"model": "ce", "query": "bridges"}
+    with encoders.client() as http:
+        for path, body in [("/v1/embeddings", {**embed, "input": [head]}),
+                           ("/v1/rerank", {**rerank, "documents": [head]})]:
+            small = http.post(path, json=body)  # also loads the model
+            assert small.status_code == 200, small.text
+            big_body = json.dumps({**body, **({"input": [huge]} if "input" in body
+                                              else {"documents": [huge]})}).encode()
+            start = time.monotonic()
+            big, growth = _post_measured(http, path, big_body)
+            assert big.status_code == 200, big.text
+            assert growth < 512, growth  # was 1.3 GB (embeddings), 1.5 GB (rerank)
+            assert time.monotonic() - start < 20
+            if path == "/v1/embeddings":  # the same tokens, so the same vector
+                assert big.json()["usage"] == small.json()["usage"]
+                assert big.json()["data"][0]["embedding"] == pytest.approx(
+                    small.json()["data"][0]["embedding"], abs=1e-5)
+            else:
+                assert big.json()["results"][0]["relevance_score"] == pytest.approx(
+                    small.json()["results"][0]["relevance_score"], abs=1e-5)

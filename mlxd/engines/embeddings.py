@@ -34,6 +34,7 @@ from mlxd.engines.pooling import (
     pool,
     read_settings,
 )
+from mlxd.engines.prompt_limits import char_bound, char_groups, embedding_rows, max_token_chars
 from mlxd.engines.token_batcher import Encoded
 from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
@@ -83,6 +84,7 @@ class EmbeddingEngine(BatchedEncoder):
         self.settings = EmbeddingSettings()
         self.dimensions = 0
         self.vocab_size = 0
+        self._token_chars = 64
         self._model_pools = False
 
     # -- lifecycle (worker thread) -----------------------------------------------
@@ -134,7 +136,8 @@ class EmbeddingEngine(BatchedEncoder):
             cfg.classifier_pooling = self.settings.pooling[0]
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else 0
-        self.vocab_size = max(len(self.tokenizer), int(self.model_config.get("vocab_size") or 0))
+        self.vocab_size = embedding_rows(self.model, self.model_config, len(self.tokenizer))
+        self._token_chars = max_token_chars(self.tokenizer)
 
     # -- facts ----------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -196,13 +199,20 @@ class EmbeddingEngine(BatchedEncoder):
         if not texts:
             return []
         s = self.settings
-        prepared = [(s.prompt + t).lower() if s.lower_case else s.prompt + t for t in texts]
         # Under the 'error' policy one token past the limit is enough to know.
         limit = s.max_length if self.overflow == "truncate" else s.max_length + 1
-        with self._tokenizer_lock:
-            enc = self.tokenizer(prepared, add_special_tokens=True, truncation=True,
-                                 max_length=limit)
-        return [Encoded(list(ids)) for ids in enc["input_ids"]]
+        # The tokenizer truncates only after encoding everything: cut each text first
+        # where no more characters could change its first ``limit`` tokens.
+        cap = char_bound(limit, self._token_chars)
+        prepared = [(s.prompt + t[:cap]).lower() if s.lower_case else s.prompt + t[:cap]
+                    for t in texts]
+        out: list[Encoded] = []
+        for group in char_groups(prepared):
+            with self._tokenizer_lock:
+                enc = self.tokenizer(group, add_special_tokens=True, truncation=True,
+                                     max_length=limit)
+            out += [Encoded(list(ids)) for ids in enc["input_ids"]]
+        return out
 
     def _check_ids(self, index: int, ids: list[int]) -> Encoded:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -14,7 +14,7 @@ takes gigabytes).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -32,7 +32,7 @@ CHUNK_SLACK_TOKENS = 4
 CHAR_BOUND_FACTOR = 2
 
 
-def vocab_bound(model: Any, config: dict[str, Any]) -> int:
+def vocab_bound(model: Any, config: dict[str, Any], fallback: int) -> int:
     """How many token ids the model can take: its logits' width, never more than the
     config's ``vocab_size`` (the tokenizer's length may differ from both)."""
     bounds = []
@@ -42,9 +42,7 @@ def vocab_bound(model: Any, config: dict[str, Any]) -> int:
     declared = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     if isinstance(declared, int) and declared > 0:
         bounds.append(declared)
-    if not bounds:
-        raise ValueError("cannot tell the model's vocabulary size")
-    return min(bounds)
+    return min(bounds) if bounds else fallback
 
 
 def _logits_width(model: Any) -> int | None:
@@ -57,10 +55,11 @@ def _logits_width(model: Any) -> int | None:
         return None
 
 
-def embedding_rows(model: Any, config: dict[str, Any]) -> int:
+def embedding_rows(model: Any, config: dict[str, Any], fallback: int) -> int:
     """Token ids an encoder's word-embedding table can index."""
     bounds = []
-    for name, module in model.named_modules():
+    modules = model.named_modules() if hasattr(model, "named_modules") else []
+    for name, module in modules:
         weight = getattr(module, "weight", None)
         if name.endswith(("word_embeddings", "embed_tokens", "tok_embeddings")) and \
                 weight is not None:
@@ -68,9 +67,7 @@ def embedding_rows(model: Any, config: dict[str, Any]) -> int:
     declared = config.get("vocab_size")
     if isinstance(declared, int) and declared > 0:
         bounds.append(declared)
-    if not bounds:
-        raise ValueError("cannot tell the model's vocabulary size")
-    return min(bounds)
+    return min(bounds) if bounds else fallback
 
 
 def check_token_ids(ids: Iterable[int], bound: int, param: str) -> None:
@@ -128,3 +125,22 @@ def _cut(text: str, end: int) -> int:
         return len(text)
     space = text.rfind(" ", end - 1024, end)
     return space + 1 if space > 0 else end
+
+
+# Characters handed to a tokenizer in one call when encoding many texts: an HF
+# tokenizer holds about 160 bytes per character of a call's input at its peak.
+GROUP_CHARS = 1 << 20
+
+
+def char_groups(texts: list[str], budget: int = GROUP_CHARS) -> Iterator[list[str]]:
+    """Consecutive runs of ``texts`` of at most ``budget`` characters (one text at least)."""
+    group: list[str] = []
+    size = 0
+    for text in texts:
+        if group and size + len(text) > budget:
+            yield group
+            group, size = [], 0
+        group.append(text)
+        size += len(text)
+    if group:
+        yield group

@@ -32,6 +32,7 @@ from mlxd.engines.device import device_name
 from mlxd.engines.embeddings import pad_batch
 from mlxd.engines.encoder import BatchedEncoder
 from mlxd.engines.pooling import max_length_of
+from mlxd.engines.prompt_limits import char_bound, char_groups, max_token_chars
 from mlxd.engines.token_batcher import Encoded
 from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
@@ -62,6 +63,7 @@ class RerankEngine(BatchedEncoder):
         self.model: CrossEncoder | None = None
         self.max_length = 512
         self._pair_specials = 3
+        self._token_chars = 64
 
     # -- lifecycle (worker thread) ----------------------------------------------------
     def load(self) -> None:
@@ -85,6 +87,7 @@ class RerankEngine(BatchedEncoder):
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad_id = int(pad) if isinstance(pad, int) else self.model.config.pad_token_id
         self._pair_specials = int(tokenizer.num_special_tokens_to_add(pair=True))
+        self._token_chars = max_token_chars(tokenizer)
         self._start_batching(self._forward, self._encode_pairs("warm up", ["warm up"]))
         log.info("rerank model %s: %s head, %d label(s), max %d tokens", self.name,
                  "two-layer" if self.model.two_layer_head else "pooler + linear",
@@ -112,20 +115,28 @@ class RerankEngine(BatchedEncoder):
         return await asyncio.to_thread(self._encode_pairs, query, documents)
 
     def _encode_pairs(self, query: str, documents: list[str]) -> list[Encoded]:
+        # The tokenizer truncates only after encoding everything: cut each text first
+        # where no more characters could change the tokens a pair keeps.
+        cap = char_bound(self.max_length, self._token_chars)
+        query = query[:cap]
         with self._tokenizer_lock:
             query_ids = self.tokenizer(query, add_special_tokens=False, truncation=True,
                                        max_length=self.max_length)["input_ids"]
-            if len(query_ids) + self._pair_specials >= self.max_length:
-                raise InvalidRequest(
-                    f"The query is too long: model '{self.name}' reads at most "
-                    f"{self.max_length} tokens per query-document pair, and the query fills "
-                    "them, leaving no room for the document.", param="query",
-                    code="context_length_exceeded")
-            enc = self.tokenizer([query] * len(documents), documents, truncation="only_second",
-                                 max_length=self.max_length)
-        types = enc.get("token_type_ids")
-        return [Encoded(list(ids), list(types[i]) if types is not None else None)
-                for i, ids in enumerate(enc["input_ids"])]
+        if len(query_ids) + self._pair_specials >= self.max_length:
+            raise InvalidRequest(
+                f"The query is too long: model '{self.name}' reads at most "
+                f"{self.max_length} tokens per query-document pair, and the query fills "
+                "them, leaving no room for the document.", param="query",
+                code="context_length_exceeded")
+        out: list[Encoded] = []
+        for group in char_groups([d[:cap] for d in documents]):
+            with self._tokenizer_lock:
+                enc = self.tokenizer([query] * len(group), group, truncation="only_second",
+                                     max_length=self.max_length)
+            types = enc.get("token_type_ids")
+            out += [Encoded(list(ids), list(types[i]) if types is not None else None)
+                    for i, ids in enumerate(enc["input_ids"])]
+        return out
 
     async def logits(self, encoded: list[Encoded]) -> np.ndarray:
         """Classifier logits (n, num_labels), batched with other requests' pairs."""
