@@ -80,6 +80,22 @@ def test_documented_n_limit_is_the_servers(doc: dict[str, Any], http: httpx.Clie
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
+@pytest.mark.parametrize("path, model, body", [
+    ("/v1/chat/completions", "ChatCompletionRequest", {"messages": HI, "max_tokens": 1}),
+    ("/v1/responses", "ResponsesRequest", {"input": "hi", "max_output_tokens": 1}),
+])
+def test_documented_stop_limit_is_the_servers(doc: dict[str, Any], http: httpx.Client,
+                                              path: str, model: str,
+                                              body: dict[str, Any]) -> None:
+    variants = doc["components"]["schemas"][model]["properties"]["stop"]["anyOf"]
+    limit = next(v["maxItems"] for v in variants if v.get("type") == "array")
+    body = {"model": "tiny", **body}
+    ok = http.post(path, json={**body, "stop": [f"s{i}" for i in range(limit)]})
+    assert ok.status_code == 200, ok.text
+    r = http.post(path, json={**body, "stop": [f"s{i}" for i in range(limit + 1)]})
+    assert r.status_code == 400 and "stop" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path, field, value", [
     ("/v1/chat/completions", "frequency_penalty", True),
     ("/v1/chat/completions", "stream", 0),

@@ -9,7 +9,7 @@ the mlxd extensions vLLM users expect (``top_k``, ``min_p``,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -94,7 +94,7 @@ class SamplingFields(_Lenient):
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
     n: StrictInt = Field(1, ge=1, le=128)
     seed: StrictInt | None = Field(None, ge=0, le=2**64 - 1)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # in the schema too
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool = False
     presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
@@ -108,13 +108,6 @@ class SamplingFields(_Lenient):
     regex: str | None = None
     grammar: str | None = None
     guided_json: dict[str, Any] | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop sequences")
-        return v
 
     @field_validator("logit_bias")
     @classmethod

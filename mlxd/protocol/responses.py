@@ -156,7 +156,7 @@ class ResponsesRequest(_Lenient):
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
     seed: StrictInt | None = Field(None, ge=0, le=2**64 - 1)
     repetition_penalty: StrictFloat | None = Field(None, gt=0.0, allow_inf_nan=False)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     regex: str | None = None
     grammar: str | None = None

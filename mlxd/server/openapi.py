@@ -44,6 +44,16 @@ _ERROR_SCHEMAS: dict[str, Any] = {
             "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}},
 }
 
+# OpenAPI 3.1 (before ``itemSchema``): the ``schema`` of an event stream is one event.
+# ``data`` is JSON but for OpenAI's closing ``[DONE]``, so it stays a string here.
+SSE_EVENT: dict[str, Any] = {
+    "type": "object", "required": ["data"],
+    "description": "One server-sent event (``stream: true``): a JSON ``data`` payload in "
+                   "the API's chunk or event shape, named by ``event`` on the Anthropic and "
+                   "Responses APIs",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"},
+                   "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
 _DESCRIPTIONS = {
     400: "Invalid request (malformed JSON, a wrong type or value, wrong model kind, "
          "prompt over the context...)",
@@ -120,8 +130,7 @@ def _fix_operation(method: str, path: str, op: dict[str, Any], config: ServerCon
         responses[str(status)] = _error_response(status, path)
     ok = responses.get("200", {}).setdefault("content", {})
     if path in STREAMING:
-        ok["text/event-stream"] = {"schema": {"type": "string",
-                                              "description": "Server-sent events"}}
+        ok["text/event-stream"] = {"schema": SSE_EVENT}
     if path == "/metrics":
         ok.clear()
         ok["text/plain"] = {"schema": {"type": "string",
