@@ -246,7 +246,10 @@ class GuardedH11Protocol(H11Protocol):
         self._body_timer = None
         if self.transport.is_closing() or self.conn.their_state is not h11.SEND_BODY:
             return
-        if self.flow.read_paused:  # we stopped reading (the app is behind): not the client
+        # not the client's fault when we stopped reading (the app is behind) or the client
+        # waits for our "100 Continue" (the app has not asked for the body yet)
+        if self.flow.read_paused or (self.cycle is not None
+                                     and self.cycle.waiting_for_100_continue):
             self._body_timer = self.loop.call_later(self.guard.body_timeout,
                                                     self._body_timed_out)
             return
