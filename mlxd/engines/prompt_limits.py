@@ -74,8 +74,8 @@ def check_token_ids(ids: Iterable[int], bound: int, param: str) -> None:
     """400 naming ``param`` for any id outside ``[0, bound)`` (negative ids included)."""
     for t in ids:
         if not 0 <= t < bound:
-            raise InvalidRequest(f"{param} has token id {t}, outside this model's vocabulary "
-                                 f"[0, {bound}).", param=param)
+            raise InvalidRequest(f"{param}: token ids must be in [0, {bound}), this model's "
+                                 f"vocabulary; got {t}.", param=param)
 
 
 def max_token_chars(tokenizer: Any) -> int:
