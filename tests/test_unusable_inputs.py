@@ -189,3 +189,11 @@ def test_finite_value_analysis(schema: dict[str, Any], finite: bool) -> None:
 def test_schema_depth_counts_ref_hops_and_survives_cycles() -> None:
     assert schema_depth(_ref_chain(300)) > 300
     assert schema_depth(CYCLE) < 10
+
+
+@pytest.mark.parametrize("source", ["~no-such-user-mlxd/model", "x" * 5000])
+def test_put_model_with_an_unusable_path_is_400(http: httpx.Client, source: str) -> None:
+    # Path("~user").expanduser() raises RuntimeError; a 5000-byte name, ENAMETOOLONG.
+    r = http.put("/v1/models", json={"name": "unusable-path", "source": source})
+    assert "not a usable path" in error_message(r)
+    assert http.get("/v1/models/unusable-path").status_code == 404

@@ -52,8 +52,12 @@ def local_path_of(entry: ModelEntry, home: Path) -> Path | None:
         root = installed_root(src) or home / "packages" / src.folder_name
         path = root / src.path if src.path else root
         return path if path.exists() else None
-    path = Path(entry.source).expanduser()
-    return path if path.exists() else None
+    try:
+        path = Path(entry.source).expanduser()
+        return path if path.exists() else None
+    except (RuntimeError, OSError, ValueError) as e:  # ~unknown-user, name too long, NUL
+        raise CatalogError(f"model '{entry.name}': source '{entry.source}' is not a usable "
+                           f"path: {e}") from None
 
 
 def _gguf_weights(path: Path, dtype_bytes: int) -> tuple[int, dict[str, int]]:
