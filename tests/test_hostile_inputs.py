@@ -98,6 +98,16 @@ def test_top_k_at_or_above_the_vocabulary_means_off(http: httpx.Client,
         assert_still_serves(http)
 
 
+def test_top_k_at_the_vocabulary_in_the_responses_and_anthropic_apis(http: httpx.Client) -> None:
+    r = http.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2,
+                                         "temperature": 0.7, "top_k": VOCAB})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/messages", json={"model": "tiny", "messages": HI, "max_tokens": 2,
+                                        "temperature": 0.7, "top_k": VOCAB})
+    assert r.status_code == 200, r.text
+    assert_still_serves(http)
+
+
 # -- A1/A2: a failure inside one sequence fails that sequence alone -------------------------
 
 def _broken_sampler(logprobs: mx.array) -> mx.array:
@@ -157,6 +167,28 @@ def test_a_failing_sequence_fails_alone_and_sampling_still_works(
     assert usage["completion_tokens"] == 1500  # the neighbour lived through it
     assert_still_serves(http)
     assert_still_serves(http, seed=5)
+
+
+@pytest.fixture(scope="module")
+def serial_server(tiny_model: Path, test_home: Path) -> Iterator[RunningServer]:
+    from mlxd.config import ServerConfig
+    from tests.helpers.server import running_server
+
+    cfg = ServerConfig(model=str(tiny_model), served_model_name="tiny", home=test_home,
+                       no_starter=True, batching=False)
+    with running_server(cfg) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("top_k", [BROKEN_SAMPLER, BROKEN_SETUP])
+def test_a_failing_sequence_in_serial_mode_leaves_sampling_working(
+        serial_server: RunningServer, faults: None, top_k: int) -> None:
+    with serial_server.client(timeout=60) as http:
+        path, body = _chat(temperature=0.7, top_k=top_k, max_tokens=8)
+        r = http.post(path, json=body)
+        assert r.status_code == 500, r.text
+        assert_still_serves(http)
+        assert_still_serves(http, seed=5)
 
 
 def test_a_failed_step_leaves_the_scheduler_and_prng_usable(
