@@ -149,7 +149,7 @@ class MLXLanguageModel:
         if self.options.max_context:
             ctx = min(ctx, self.options.max_context)
         self.context_length = ctx
-        self.vocab_size = vocab_bound(model, config)
+        self.vocab_size = vocab_bound(model, config, len(tokenizer))
         self._token_chars = max_token_chars(tokenizer)
         self._build_parsers()
         vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
