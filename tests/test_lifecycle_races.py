@@ -24,12 +24,12 @@ import pytest
 from mlxd.config import ServerConfig
 from mlxd.engines.factory import EngineFactory
 from mlxd.engines.prefix_cache import model_identity
-from mlxd.engines.worker import FAILING_AFTER
 from mlxd.errors import ModelNotFound, Overloaded
 from mlxd.models.catalog import registration_for
 from mlxd.models.manager import ManagerPolicy, ModelManager
 from mlxd.models.residency import State
 from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.runtime.worker import FAILING_AFTER
 from tests.helpers.server import RunningServer, running_server
 
 BUDGET = 1 << 30
@@ -367,7 +367,7 @@ def test_an_encoder_whose_every_batch_fails_is_reported_broken() -> None:
     import numpy as np
 
     from mlxd.engines.token_batcher import Encoded, TokenBatcher
-    from mlxd.engines.worker import ModelWorker
+    from mlxd.runtime.worker import ModelWorker
 
     failing = threading.Event()
     failing.set()

@@ -68,7 +68,7 @@ def _reference_logits(folder: Path, pairs: list[tuple[str, str]], max_length: in
 def _engine_run(folder: Path, pairs: list[tuple[str, str]]) -> tuple[Any, np.ndarray, list[Any]]:
     """Load a RerankEngine on its own worker; logits of ``pairs`` through its batcher."""
     from mlxd.engines.rerank import RerankEngine
-    from mlxd.engines.worker import ModelWorker
+    from mlxd.runtime.worker import ModelWorker
 
     worker = ModelWorker("rerank-test")
     worker.start()
@@ -111,8 +111,8 @@ def test_rerank_forward_matches_transformers(cross_encoders: dict[str, Path], na
 def test_unsupported_activation_is_a_clear_load_error(cross_encoders: dict[str, Path],
                                                       tmp_path: Path) -> None:
     from mlxd.engines.rerank import RerankEngine
-    from mlxd.engines.worker import ModelWorker
     from mlxd.errors import ModelLoadError
+    from mlxd.runtime.worker import ModelWorker
 
     folder = tmp_path / "mish"
     folder.mkdir()

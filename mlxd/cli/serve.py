@@ -221,7 +221,7 @@ def _exit_past_abandoned_loads(code: int) -> None:
     ("exception not rethrown"). Nothing is lost by skipping finalisation:
     engines are closed, files are written atomically; logs are flushed here.
     """
-    from mlxd.engines.worker import running_workers
+    from mlxd.runtime.worker import running_workers
 
     busy = running_workers()
     if not busy:

@@ -36,8 +36,8 @@ from mlxd.engines.pooling import (
 )
 from mlxd.engines.prompt_limits import char_bound, char_groups, embedding_rows, max_token_chars
 from mlxd.engines.token_batcher import Encoded
-from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
+from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 

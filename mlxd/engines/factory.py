@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import ServerConfig
-from mlxd.engines.worker import ModelWorker
 from mlxd.errors import ModelLoadError
 from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from mlxd.engines.encoder import BatchedEncoder
 from mlxd.engines.pooling import max_length_of
 from mlxd.engines.prompt_limits import char_bound, char_groups, max_token_chars
 from mlxd.engines.token_batcher import Encoded
-from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.models.memory import read_config
+from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 

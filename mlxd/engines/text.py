@@ -37,7 +37,6 @@ from mlxd.engines.scheduler import (
     SerialScheduler,
 )
 from mlxd.engines.structured import GrammarTokenizer
-from mlxd.engines.worker import ModelWorker
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.generation.chat import (
     template_messages,
@@ -52,6 +51,7 @@ from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
 from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
 from mlxd.generation.structured import forced_tool_format, grammar_for, tool_call_constraint
 from mlxd.generation.tools import ToolCallFormat, tool_call_format
+from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any
 
-from mlxd.engines.worker import ModelWorker
 from mlxd.errors import MlxdError, ModelLoadError, Overloaded
 from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
