@@ -56,6 +56,12 @@ def test_a_valid_registry_parses() -> None:
     ("manager:\n  contention: maybe\n", "manager.contention"),
     ("models:\n  - name: a\n    source: x\n  - name: a\n    source: y\n",
      "model name 'a' is defined twice"),
+    ("models:\n  - name: a\n    source: x\n    defaults: {temperature: -3}\n",
+     "model 'a' (entry 1), field 'defaults.temperature'"),
+    ("models:\n  - name: a\n    source: x\n    defaults: {top_p: 1.0e+142}\n",
+     "field 'defaults.top_p'"),
+    ("models:\n  - name: a\n    source: x\n    defaults: {repetition_penalty: .inf}\n",
+     "field 'defaults.repetition_penalty'"),
     ("models: [\n", "not valid YAML"),
     ("- just a list\n", "must be a mapping"),
 ])

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -27,6 +28,23 @@ EMBEDDING_KINDS = frozenset({ModelKind.EMBEDDING})
 RERANK_KINDS = frozenset({ModelKind.RERANK})
 STT_KINDS = frozenset({ModelKind.STT})
 TTS_KINDS = frozenset({ModelKind.TTS})
+
+E = TypeVar("E")
+
+
+@dataclass(frozen=True)
+class Family(Generic[E]):
+    """What an endpoint asks the manager for: the model kinds it serves, typed by the
+    engine protocol ``E`` those kinds implement (``engines/base.py`` defines them).
+
+    ``E`` exists only for the type checker: ``manager.acquire(name, family)`` returns
+    a ``ModelLease[E]``, so a route can call only its family's protocol. The manager
+    itself never looks at engines (``models/`` sits below ``engines/``).
+    """
+
+    name: str
+    kinds: frozenset[ModelKind]
+
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -56,11 +74,12 @@ class ServingDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    # The same bounds as the request fields: every request to the model inherits these.
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     max_tokens: int | None = Field(None, gt=0)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_num_seqs: int | None = Field(None, gt=0)
