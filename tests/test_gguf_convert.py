@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxd.workflow.gguf_convert import (
+from mlxd.sources.gguf_convert import (
     ConversionError,
     GGUFModel,
     build_tokenizer,

@@ -19,8 +19,8 @@ from mlxd.models.qualification import FileHasher, check_qualified, qualification
 from mlxd.models.registry import RegistryFile
 from mlxd.models.spec import ModelKind
 from mlxd.server.app import build_app
+from mlxd.sources.manifest import artifact_files
 from mlxd.workflow import qualify_checks as qc
-from mlxd.workflow.manifest import artifact_files
 from mlxd.workflow.qualify import finish_qualification, start_qualification
 from mlxd.workflow.register import find_entry, register
 from tests.helpers.server import RunningServer, running_server

@@ -72,7 +72,7 @@ def test_an_ollama_blob_is_recognised_by_its_magic(tiny_sources: dict[str, Path]
 
 def test_skipping_the_qk_unpermutation_changes_the_model(tiny_sources: dict[str, Path],
                                                          tmp_path: Path) -> None:
-    from mlxd.workflow.gguf_convert import convert_gguf
+    from mlxd.sources.gguf_convert import convert_gguf
 
     gguf_file = write_gguf(tiny_sources["llama"], tmp_path / "llama.gguf", "llama")
     convert_gguf(gguf_file, tmp_path / "broken", permute=False)
@@ -123,7 +123,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(smollm2_gguf: Path, tmp_path
 
 def test_kill_during_convert_leaves_no_artifact_and_no_entry(smollm2_gguf: Path,
                                                              tmp_path: Path) -> None:
-    from mlxd.workflow.staging import staged_folder
+    from mlxd.sources.staging import staged_folder
 
     home = tmp_path / "home"
     home.mkdir()
@@ -149,7 +149,7 @@ def test_kill_during_convert_leaves_no_artifact_and_no_entry(smollm2_gguf: Path,
 
 @pytest.fixture(scope="module")
 def ct2_whisper() -> Path:
-    from mlxd.workflow.pypi import installed_root, parse_pypi_source
+    from mlxd.sources.pypi import installed_root, parse_pypi_source
 
     src = parse_pypi_source(WHISPER_SPEC)
     root = installed_root(src)

@@ -92,7 +92,7 @@ def test_convert_register_refuses_a_taken_name_before_converting(
 
 
 def test_an_embedding_model_has_nothing_to_convert(home: Path) -> None:
-    from mlxd.workflow.pypi import installed_root, parse_pypi_source
+    from mlxd.sources.pypi import installed_root, parse_pypi_source
     from tests.helpers.workflow import MINILM_SPEC
 
     src = parse_pypi_source(MINILM_SPEC)
@@ -102,7 +102,7 @@ def test_an_embedding_model_has_nothing_to_convert(home: Path) -> None:
 
 
 def test_a_ctranslate2_folder_must_be_converted_before_registering(home: Path) -> None:
-    from mlxd.workflow.pypi import installed_root, parse_pypi_source
+    from mlxd.sources.pypi import installed_root, parse_pypi_source
 
     src = parse_pypi_source(WHISPER_SPEC)
     root = installed_root(src)

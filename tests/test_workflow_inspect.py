@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from mlxd.workflow.hub import allow_patterns
+from mlxd.sources.hub import allow_patterns
+from mlxd.sources.refs import SourceError
 from mlxd.workflow.inspect import inspect_path
-from mlxd.workflow.sources import WorkflowError
 
 BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F8_E4M3": 1, "U8": 1}
 
@@ -115,8 +115,8 @@ def test_hub_download_patterns_follow_the_kind() -> None:
 
 def test_a_gguf_only_repository_needs_one_file_named() -> None:
     files = ["README.md", "m.Q4_K_M.gguf", "m.Q8_0.gguf"]
-    with pytest.raises(WorkflowError, match="choose one with --file"):
+    with pytest.raises(SourceError, match="choose one with --file"):
         allow_patterns("text", files, None, trust_remote_code=False)
     assert allow_patterns("text", files, "m.Q8_0.gguf", False)[0] == "m.Q8_0.gguf"
-    with pytest.raises(WorkflowError, match=r"no file 'x\.gguf'"):
+    with pytest.raises(SourceError, match=r"no file 'x\.gguf'"):
         allow_patterns("text", files, "x.gguf", False)

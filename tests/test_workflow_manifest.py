@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from mlxd.config import ServerConfig
-from mlxd.workflow.manifest import (
+from mlxd.sources.manifest import (
     ManifestError,
     finish_manifest,
     new_manifest,
@@ -23,8 +23,8 @@ from tests.helpers.workflow import mlxd
 
 
 def test_gguf_header_reader_agrees_with_gguf_reader(smollm2_gguf: Path) -> None:
-    from mlxd.workflow.gguf_convert import GGUFModel
-    from mlxd.workflow.gguf_header import read_gguf_header
+    from mlxd.sources.gguf_convert import GGUFModel
+    from mlxd.sources.gguf_header import read_gguf_header
 
     fast, full = read_gguf_header(smollm2_gguf), GGUFModel(smollm2_gguf)
     assert fast.arch == full.arch == "llama"

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxd.workflow.manifest import sha256_of
+from mlxd.sources.manifest import sha256_of
 from tests.helpers.server import free_port
 from tests.helpers.workflow import SMOLLM2_SPEC, CliResult, cli_env, mlxd
 
@@ -184,7 +184,7 @@ def test_qualified_model_answers_through_a_require_qualified_server(
 
 def test_unpermuted_conversion_fails_qualification_and_is_refused(
         home: Path, acquired: dict[str, Any], qualified: dict[str, Any]) -> None:
-    from mlxd.workflow.gguf_convert import convert_gguf
+    from mlxd.sources.gguf_convert import convert_gguf
 
     gguf = Path(acquired["outputs"]["artifact"]) / acquired["files"][0]["path"]
     broken = home / "models" / "mlx" / "smollm2-unpermuted"

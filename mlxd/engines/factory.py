@@ -14,19 +14,13 @@ from typing import Any
 
 from mlxd.config import ServerConfig
 from mlxd.errors import ModelLoadError
+from mlxd.models.memory import prefix_cache_bytes
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
 ProgressFactory = Callable[[str], Callable[[int, int, str], None] | None]
-
-
-def prefix_cache_bytes(config: ServerConfig, budget: int) -> int:
-    """``--prefix-cache-bytes``, or by default 5% of the memory budget (at most 1 GiB)."""
-    if config.prefix_cache_bytes is not None:
-        return max(0, config.prefix_cache_bytes)
-    return min(2**30, budget // 20)
 
 
 class EngineFactory:
@@ -40,7 +34,7 @@ class EngineFactory:
 
     def resolve(self, entry: ModelEntry) -> Path:
         from mlxd.engines.device import preferred_float_dtype
-        from mlxd.workflow.resolve import resolve_source
+        from mlxd.sources.resolve import resolve_source
 
         progress = self.progress(entry.name) if self.progress else None
         return resolve_source(entry.source, home=self.config.home, dtype=preferred_float_dtype(),

@@ -16,13 +16,19 @@ from typing import Any, cast
 from mlxd.config import ServerConfig
 from mlxd.models.detection import Detection, DetectionError, detect, kind_from_name
 from mlxd.models.manager import ManagerPolicy, Registration
-from mlxd.models.memory import estimate_memory, parse_budget, read_config, weights_bytes_of_folder
+from mlxd.models.memory import (
+    estimate_memory,
+    parse_budget,
+    prefix_cache_bytes,
+    read_config,
+    weights_bytes_of_folder,
+)
 from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryData, RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.models.starter import starter_entries
-from mlxd.workflow.pypi import PyPISourceError, installed_root, parse_pypi_source
-from mlxd.workflow.resolve import looks_like_hub_id
+from mlxd.sources.pypi import PyPISourceError, installed_root, parse_pypi_source
+from mlxd.sources.resolve import looks_like_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +67,7 @@ def local_path_of(entry: ModelEntry, home: Path) -> Path | None:
 
 
 def _gguf_weights(path: Path, dtype_bytes: int) -> tuple[int, dict[str, int]]:
-    from mlxd.workflow.gguf_header import read_gguf_header
+    from mlxd.sources.gguf_header import read_gguf_header
 
     g = read_gguf_header(path)  # header only: milliseconds, where GGUFReader takes seconds
     cfg = {"num_hidden_layers": g.a("block_count"), "num_attention_heads": g.a("attention.head_count"),
@@ -74,7 +80,7 @@ def _gguf_weights(path: Path, dtype_bytes: int) -> tuple[int, dict[str, int]]:
 def _detect_remote(entry: ModelEntry) -> Detection:
     """A hub id: its ``config.json`` when the hub answers, else the name, else text."""
     if entry.kind is None and looks_like_hub_id(entry.source):
-        from mlxd.workflow.hub import fetch_json
+        from mlxd.sources.hub import fetch_json
 
         config = fetch_json(entry.source, "config.json", entry.revision)
         if config:
@@ -109,8 +115,6 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
             weights, model_cfg = weights_bytes_of_folder(path), read_config(path)
     context = int(entry.defaults.max_context or config.max_context or
                   model_cfg.get("max_position_embeddings") or 4096)
-    from mlxd.engines.factory import prefix_cache_bytes
-
     est = estimate_memory(kind, weights, model_cfg,
                           max_num_seqs=entry.defaults.max_num_seqs or config.max_num_seqs,
                           context=context, kv_reserve_tokens=config.kv_reserve_tokens,

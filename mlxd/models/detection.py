@@ -137,7 +137,7 @@ def kind_from_name(name: str) -> ModelKind | None:
 
 def classify_gguf(path: Path) -> Detection:
     """Classify a GGUF file from its ``general.architecture``."""
-    from mlxd.workflow.gguf_header import read_gguf_header
+    from mlxd.sources.gguf_header import read_gguf_header
 
     arch = read_gguf_header(path).arch
     checked = ["GGUF general.architecture"]
@@ -167,7 +167,7 @@ def detect_path(path: Path, name: str = "") -> Detection:
     """Classify a local folder or file."""
     path = Path(path)
     if path.is_file():
-        from mlxd.workflow.gguf_header import is_gguf
+        from mlxd.sources.gguf_header import is_gguf
 
         if path.suffix == ".gguf" or is_gguf(path):  # Ollama's blobs have no suffix
             return classify_gguf(path)

@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxd.jsonfile import read_json_object
 from mlxd.models.spec import ModelKind, parse_size
+
+if TYPE_CHECKING:
+    from mlxd.config import ServerConfig
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
 DEFAULT_KV_RESERVE_TOKENS = 32_768
@@ -126,3 +129,10 @@ def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None
 
 def read_config(folder: Path) -> dict[str, Any]:
     return read_json_object(Path(folder) / "config.json")
+
+
+def prefix_cache_bytes(config: ServerConfig, budget: int) -> int:
+    """``--prefix-cache-bytes``, or by default 5% of the memory budget (at most 1 GiB)."""
+    if config.prefix_cache_bytes is not None:
+        return max(0, config.prefix_cache_bytes)
+    return min(2**30, budget // 20)

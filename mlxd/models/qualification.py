@@ -44,7 +44,7 @@ class FileHasher:
 
     def sha256(self, path: Path) -> str:
         """The file's sha256, read again only when the file may have changed."""
-        from mlxd.workflow.manifest import sha256_of
+        from mlxd.sources.manifest import sha256_of
 
         key = self._key(path)
         with self._lock:
@@ -62,7 +62,7 @@ def artifact_path(entry: Any, home: Path) -> Path | None:
     """The files that would be served for ``entry`` when they are on this machine
     (a local folder or file, an installed ``pypi:`` package, or a cached hub snapshot)."""
     from mlxd.models.catalog import local_path_of
-    from mlxd.workflow.resolve import looks_like_hub_id
+    from mlxd.sources.resolve import looks_like_hub_id
 
     path = local_path_of(entry, home)
     if path is not None or not looks_like_hub_id(entry.source):
@@ -78,8 +78,7 @@ def artifact_path(entry: Any, home: Path) -> Path | None:
 
 def manifest_location(entry: Any, home: Path) -> Path:
     """Where ``mlxd model qualify`` writes the entry's qualification manifest."""
-    from mlxd.workflow.manifest import manifest_path
-    from mlxd.workflow.register import manifest_dir
+    from mlxd.sources.manifest import manifest_dir, manifest_path
 
     return manifest_path(manifest_dir(entry, home), "qualification")
 
@@ -87,7 +86,7 @@ def manifest_location(entry: Any, home: Path) -> Path:
 def artifact_problem(path: Path, recorded: list[dict[str, Any]],
                      sha256: Callable[[Path], str]) -> str | None:
     """Why the files under ``path`` are not the ``recorded`` ones (None when they are)."""
-    from mlxd.workflow.manifest import artifact_files, verify_inventory
+    from mlxd.sources.manifest import artifact_files, verify_inventory
 
     base = path.parent if path.is_file() else path
     now = {str(p.relative_to(base)) for p in artifact_files(path)}
@@ -118,7 +117,7 @@ def qualification_problem(entry: Any, home: Path,
 
     Blocking (it may hash gigabytes): call it from a worker thread in a server.
     """
-    from mlxd.workflow.manifest import ManifestError, read_manifest
+    from mlxd.sources.manifest import ManifestError, read_manifest
 
     where = manifest_location(entry, home)
     claimed = (entry.qualification or {}).get("status")

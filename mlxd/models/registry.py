@@ -10,7 +10,6 @@ leaves the previous file intact, and every read-modify-write holds a lock file
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from mlxd.jsonfile import atomic_write_text
 from mlxd.models.spec import ModelEntry
 
 try:
@@ -118,30 +118,6 @@ def parse_registry(text: str, path: Path) -> RegistryData:
                                 f"(entries {seen[entry.name] + 1} and {i + 1})")
         seen[entry.name] = i
     return registry
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old or the new file, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 @contextmanager

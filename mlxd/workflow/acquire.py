@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from mlxd.workflow.manifest import (
+from mlxd.sources.manifest import (
     ProgressFn,
     finish_manifest,
     inventory,
@@ -27,16 +27,16 @@ from mlxd.workflow.manifest import (
     sha256_of,
     write_manifest,
 )
-from mlxd.workflow.pypi import PyPISource
-from mlxd.workflow.sources import (
+from mlxd.sources.pypi import PyPISource
+from mlxd.sources.refs import (
     SourceRef,
-    WorkflowError,
     default_name,
     local_path,
     parse_source,
     slug,
 )
-from mlxd.workflow.staging import check_output, publish, staged_folder
+from mlxd.sources.staging import check_output, publish, staged_folder
+from mlxd.workflow import WorkflowError
 
 _SKIP = ("__pycache__", ".dist-info")
 
@@ -204,7 +204,8 @@ def _acquire_hub(ref: SourceRef, target: Path, manifest: dict[str, Any], *,
                  revision: str | None, kind: str | None, gguf_file: str | None,
                  trust_remote_code: bool, force: bool,
                  progress: ProgressFn | None) -> dict[str, Any]:
-    from mlxd.workflow.hub import download, inspect_hub
+    from mlxd.sources.hub import download
+    from mlxd.workflow.hub_inspect import inspect_hub
 
     assert ref.hub_id is not None
     info = inspect_hub(ref.hub_id, revision)

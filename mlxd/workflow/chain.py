@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.models.registry import RegistryFile
-from mlxd.workflow.manifest import (
+from mlxd.sources.manifest import (
     ManifestError,
+    manifest_dir,
     manifest_path,
     read_manifest,
     sha256_of,
     verify_inventory,
 )
-from mlxd.workflow.register import find_entry, manifest_dir
+from mlxd.workflow.register import find_entry
 
 _FACTS = {
     "acquisition": lambda m: {"sources": [s.get("spec") for s in m.get("sources", [])],

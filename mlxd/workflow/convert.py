@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxd.workflow.inspect import inspect_path
-from mlxd.workflow.manifest import (
+from mlxd.sources.manifest import (
     ProgressFn,
     finish_manifest,
     inventory,
@@ -26,8 +25,10 @@ from mlxd.workflow.manifest import (
     new_manifest,
     write_manifest,
 )
-from mlxd.workflow.sources import WorkflowError, local_path, parse_source, slug
-from mlxd.workflow.staging import check_output, scratch_path, staged_folder
+from mlxd.sources.refs import local_path, parse_source, slug
+from mlxd.sources.staging import check_output, scratch_path, staged_folder
+from mlxd.workflow import WorkflowError
+from mlxd.workflow.inspect import inspect_path
 
 SUPPORTED_CONVERSIONS = (
     "GGUF (llama, qwen2, qwen3, gemma3) -> MLX",
@@ -174,7 +175,7 @@ def _convert_into(plan: ConversionPlan, staging: Path, progress: ProgressFn | No
         return {"parameters": res.parameters, "tensors": res.tensors, "dims": res.dims,
                 "source_dtypes": res.source_dtypes}
     if plan.converter == "gguf":
-        from mlxd.workflow.gguf_convert import open_gguf, write_mlx_folder
+        from mlxd.sources.gguf_convert import open_gguf, write_mlx_folder
 
         g = open_gguf(plan.input)
         two_stage = plan.quantize is not None or plan.dtype == "bfloat16"

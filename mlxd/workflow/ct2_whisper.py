@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mlxd.jsonfile import read_json_object
-from mlxd.workflow.staging import staged_folder
+from mlxd.sources.staging import staged_folder
 
 SUPPORTED_VERSIONS = (5, 6)
 _DTYPES: dict[int, Any] = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16,

@@ -24,10 +24,11 @@ from mlxd.models.detection import (
     is_piper_voice,
 )
 from mlxd.models.spec import ModelKind
+from mlxd.sources.gguf_header import is_gguf
+from mlxd.sources.manifest import ProgressFn, inventory
+from mlxd.sources.refs import SourceRef, local_path, parse_source
+from mlxd.workflow import WorkflowError
 from mlxd.workflow import weights_info as wi
-from mlxd.workflow.gguf_header import is_gguf
-from mlxd.workflow.manifest import ProgressFn, inventory
-from mlxd.workflow.sources import SourceRef, WorkflowError, local_path, parse_source
 
 SUPPORTED_INPUTS = ("a Hugging Face / MLX model folder (config.json + *.safetensors)",
                     "a GGUF file (or a folder holding one)",
@@ -65,8 +66,8 @@ def _detect(path: Path) -> tuple[str | None, str]:
 
 def inspect_gguf(path: Path) -> Report:
     """Facts of a GGUF file from its metadata and tensor table."""
-    from mlxd.workflow.gguf_convert import SUPPORTED_ARCHITECTURES
-    from mlxd.workflow.gguf_header import read_gguf_header
+    from mlxd.sources.gguf_convert import SUPPORTED_ARCHITECTURES
+    from mlxd.sources.gguf_header import read_gguf_header
 
     g = read_gguf_header(path)
     meta = wi.gguf_metadata(g)
@@ -233,7 +234,7 @@ def inspect_source(spec: str, *, config: ServerConfig, budget: int, hashes: bool
     """Inspect SOURCE: a local path, a ``pypi:`` package or (metadata only) a hub id."""
     ref: SourceRef = parse_source(spec)
     if ref.hub_id is not None:
-        from mlxd.workflow.hub import inspect_hub
+        from mlxd.workflow.hub_inspect import inspect_hub
 
         report = (hub_info or inspect_hub)(ref.hub_id)
         report["source"] = ref.describe()

@@ -27,18 +27,19 @@ from mlxd.config import ServerConfig
 from mlxd.models.memory import parse_budget, read_config
 from mlxd.models.registry import RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind
-from mlxd.workflow import qualify_checks as qc
-from mlxd.workflow.manifest import (
+from mlxd.sources.manifest import (
     finish_manifest,
     inventory,
     link_to,
+    manifest_dir,
     manifest_path,
     new_manifest,
     utc_now,
     write_manifest,
 )
-from mlxd.workflow.register import find_entry, manifest_dir
-from mlxd.workflow.sources import WorkflowError
+from mlxd.workflow import WorkflowError
+from mlxd.workflow import qualify_checks as qc
+from mlxd.workflow.register import find_entry
 
 StepFn = Callable[[str], None]
 FIGURE_KEYS = ("load_s", "memory_bytes", "perplexity", "perplexity_shuffled", "perplexity_ratio",

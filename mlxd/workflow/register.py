@@ -18,25 +18,17 @@ from pydantic import ValidationError
 
 from mlxd.models.registry import RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind, ServingDefaults
-from mlxd.workflow.manifest import (
+from mlxd.sources.manifest import (
     finish_manifest,
     inventory,
     link_to,
+    manifest_dir,
     manifest_path,
     new_manifest,
     write_manifest,
 )
-from mlxd.workflow.sources import WorkflowError, parse_source, slug
-
-
-def manifest_dir(entry: ModelEntry, home: Path) -> Path:
-    """Where an entry's registration/qualification manifests live: beside a local folder
-    artifact, else ``$MLXD_HOME/manifests/<name>``."""
-    if not entry.source.startswith("pypi:"):
-        path = Path(entry.source).expanduser()
-        if path.is_dir():
-            return path
-    return home / "manifests" / slug(entry.name)
+from mlxd.sources.refs import parse_source
+from mlxd.workflow import WorkflowError
 
 
 def find_entry(registry: RegistryFile, name: str) -> ModelEntry:

