@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from mlxd.config import ServerConfig
-from mlxd.engines.factory import EngineFactory
+from mlxd.engines.factory import build_loader
 from mlxd.engines.prefix_cache import model_identity
 from mlxd.errors import ModelNotFound, Overloaded
 from mlxd.models.catalog import registration_for
@@ -37,19 +37,29 @@ LONG_PROMPT = "The cache should hold this prompt. " * 30
 
 
 class GatedLoader:
-    """The real engine factory, with a gate a test can close to hold a load mid-way."""
+    """The real loader (resolve the source, then build the engine), with gates a test
+    can close to hold a load mid-way: ``resolve_gate`` while the source resolves (a slow
+    download), ``gate`` before the engine is built."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self.factory = EngineFactory(config, BUDGET)
+        self.loader = build_loader(config, BUDGET)
         self.gate = threading.Event()
         self.gate.set()
+        self.resolve_gate = threading.Event()
+        self.resolve_gate.set()
+        self.resolving = threading.Event()
         self.started = threading.Event()
         self.engines: list[Any] = []
 
-    def __call__(self, entry: ModelEntry, kind: ModelKind, worker: Any) -> Any:
+    def resolve(self, entry: ModelEntry) -> Path:
+        self.resolving.set()
+        assert self.resolve_gate.wait(120), "the test never opened the resolve gate"
+        return self.loader.resolve(entry)
+
+    def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: Any) -> Any:
         self.started.set()
         assert self.gate.wait(120), "the test never opened the load gate"
-        engine = self.factory(entry, kind, worker)
+        engine = self.loader.build(entry, kind, path, worker)
         self.engines.append(engine)
         return engine
 
@@ -207,6 +217,25 @@ def test_shutdown_abandoning_a_slow_load_closes_the_engine_and_refuses_the_lease
             await res.wait_loaded()  # the load ends (and closes what it built)
         assert res.state != State.LOADED and res.loaded is None
         assert len(loader.engines) == 1 and is_closed(loader.engines[0])
+
+    run_with_manager(tiny_model, tmp_path / "home", scenario)
+
+
+def test_shutdown_during_a_slow_source_resolve_never_builds_the_engine(
+        tiny_model: Path, tmp_path: Path) -> None:
+    async def scenario(manager: ModelManager, loader: GatedLoader) -> None:
+        res = manager.get("a")
+        loader.resolve_gate.clear()  # the download / conversion is still running
+        acquire = asyncio.create_task(manager.acquire("a"))
+        await wait_for_thread_event(loader.resolving)
+        await manager.shutdown(timeout=0.2)
+        with pytest.raises(Overloaded):
+            await acquire
+        loader.resolve_gate.set()
+        with contextlib.suppress(Exception):
+            await res.wait_loaded()  # the resolve ends; the abandoned load stops there
+        assert res.state != State.LOADED and res.loaded is None
+        assert not loader.started.is_set() and loader.engines == []
 
     run_with_manager(tiny_model, tmp_path / "home", scenario)
 

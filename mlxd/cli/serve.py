@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     blas = reexec_with_openblas(getattr(args, "blas", None))  # may re-exec this command
     from rich.console import Console
 
-    from mlxd.engines.factory import EngineFactory
+    from mlxd.engines.factory import build_loader
     from mlxd.models.catalog import CatalogError, build_catalog
     from mlxd.models.registry import RegistryError
     from mlxd.server.app import build_app
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
-    factory = EngineFactory(config, catalog.policy.budget_bytes, _progress_factory(console))
+    loader = build_loader(config, catalog.policy.budget_bytes, _progress_factory(console))
     if not args.no_preload:
         chat = catalog.aliases.get("default")
         if chat and chat not in catalog.preload:
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             if reg.entry.name in catalog.preload:
                 console.print(f"preparing {reg.entry.name} ...")
                 try:
-                    factory.resolve(reg.entry)
+                    loader.resolve(reg.entry)  # download / convert before serving
                 except Exception as e:
                     console.print(f"[red]error:[/red] {e}")
                     return 1
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     def on_ready(ctx: Any) -> None:
         ready["ctx"] = ctx
 
-    app = build_app(config, catalog=catalog, loader=factory, on_ready=on_ready)
+    app = build_app(config, catalog=catalog, loader=loader, on_ready=on_ready)
 
     class Server(GuardedServer):
         async def startup(self, sockets: Any = None) -> None:

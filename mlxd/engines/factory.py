@@ -1,45 +1,33 @@
 """Build and load the engine for a registry entry, on the model's worker thread.
 
-This is the ModelManager's loader: resolve the source (download / convert),
-construct the family's engine, load it. Engine modules are imported here,
-lazily, so nothing above this layer imports MLX.
+The engine receives a local folder: the source was resolved (downloaded,
+converted) before, by the models layer (``models/loading.py``);
+``build_loader`` joins the two into the ModelManager's loader. Engine modules
+are imported here, lazily, so nothing above this layer imports MLX.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mlxd.config import ServerConfig
 from mlxd.errors import ModelLoadError
+from mlxd.models.loading import ModelLoader, ProgressFactory, SourceResolver
 from mlxd.models.memory import prefix_cache_bytes
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
 
-ProgressFactory = Callable[[str], Callable[[int, int, str], None] | None]
-
 
 class EngineFactory:
-    """Callable loader: ``factory(entry, kind, worker) -> loaded engine``."""
+    """Engines by kind: ``build(entry, kind, path, worker) -> loaded engine``."""
 
-    def __init__(self, config: ServerConfig, budget_bytes: int,
-                 progress: ProgressFactory | None = None) -> None:
+    def __init__(self, config: ServerConfig, budget_bytes: int) -> None:
         self.config = config
         self.budget_bytes = budget_bytes
-        self.progress = progress
-
-    def resolve(self, entry: ModelEntry) -> Path:
-        from mlxd.engines.device import preferred_float_dtype
-        from mlxd.sources.resolve import resolve_source
-
-        progress = self.progress(entry.name) if self.progress else None
-        return resolve_source(entry.source, home=self.config.home, dtype=preferred_float_dtype(),
-                              revision=entry.revision, sha256=entry.sha256, name=entry.name,
-                              progress=progress)
 
     def create(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
         if kind == ModelKind.TEXT:
@@ -74,10 +62,25 @@ class EngineFactory:
             prefix_cache_dir=(cfg.prefix_cache_dir / safe_name
                               if cfg.enable_prefix_cache_persist else None))
 
-    def __call__(self, entry: ModelEntry, kind: ModelKind, worker: ModelWorker) -> Any:
+    def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
+        """Construct and load the kind's engine from the local folder ``path``."""
         if entry.trust_remote_code is False and self.config.trust_remote_code:
             log.warning("--trust-remote-code applies only to entries that set trust_remote_code")
-        path = self.resolve(entry)
         engine = self.create(entry, kind, path, worker)
         engine.load()
         return engine
+
+
+def float_dtype() -> str:
+    """The dtype GGUF sources are converted to on this device (imports MLX when called)."""
+    from mlxd.engines.device import preferred_float_dtype
+
+    return preferred_float_dtype()
+
+
+def build_loader(config: ServerConfig, budget_bytes: int,
+                 progress: ProgressFactory | None = None) -> ModelLoader:
+    """The ModelManager's loader: the models layer resolves each source to a local folder
+    (with ``progress``), then an ``EngineFactory`` builds and loads the engine from it."""
+    return ModelLoader(SourceResolver(config.home, float_dtype, progress),
+                       EngineFactory(config, budget_bytes).build)

@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 from mlxd.errors import MlxdError, ModelLoadError, Overloaded
+from mlxd.models.loading import Loader
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.runtime.worker import ModelWorker
 
@@ -49,21 +50,19 @@ class LoadedModel:
         self.worker = worker
 
 
-# (entry, kind, worker) -> engine. Blocking: runs on the model's own (daemon)
-# worker thread, so a shutdown never waits for a slow load or download.
-Loader = Callable[[ModelEntry, ModelKind, ModelWorker], Any]
-
-
 class LoadAbandoned(Exception):
     """The load finished after its residency gave up on it; the engine was closed."""
 
 
 class _LoadJob:
-    """One load on the worker thread.
+    """One load on the worker thread: resolve the source, then build the engine.
 
-    Once ``abandon``ed (shutdown timed out, model removed), whatever the loader
-    builds is closed on the worker thread itself, so it is never leaked even
-    when no event loop is left to receive it.
+    Both steps block and run on the model's own (daemon) worker thread, so a
+    shutdown never waits for a slow download or conversion. Once ``abandon``ed
+    (shutdown timed out, model removed), a load still resolving never builds
+    its engine, and whatever the loader did build is closed on the worker
+    thread itself, so it is never leaked even when no event loop is left to
+    receive it.
     """
 
     def __init__(self, loader: Loader) -> None:
@@ -76,7 +75,14 @@ class _LoadJob:
             self._abandoned = True
 
     def __call__(self, entry: ModelEntry, kind: ModelKind, worker: ModelWorker) -> Any:
-        engine = self._loader(entry, kind, worker)
+        path = self._loader.resolve(entry)
+        with self._lock:
+            abandoned = self._abandoned
+        if abandoned:
+            log.warning("model %s: resolved after the load was abandoned; not building it",
+                        entry.name)
+            raise LoadAbandoned(entry.name)
+        engine = self._loader.build(entry, kind, path, worker)
         with self._lock:
             if not self._abandoned:
                 return engine  # handed over: the event loop side owns it from here

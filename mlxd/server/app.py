@@ -52,9 +52,9 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
         # The same gate as `mlxd serve` (cached hashes: no second read there), for every app.
         await asyncio.to_thread(check_qualified, config, cat, cat.hasher)
         if loader is None:
-            from mlxd.engines.factory import EngineFactory
+            from mlxd.engines.factory import build_loader
 
-            model_loader: Any = EngineFactory(config, cat.policy.budget_bytes)
+            model_loader: Any = build_loader(config, cat.policy.budget_bytes)
         else:
             model_loader = loader
         manager = ModelManager(cat.policy, model_loader)

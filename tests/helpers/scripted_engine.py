@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import ServerConfig
-from mlxd.engines.factory import EngineFactory
+from mlxd.engines.factory import build_loader
 from mlxd.generation.events import Event
 from mlxd.models.spec import ModelEntry, ModelKind
 from tests.helpers.server import RunningServer, running_server
@@ -81,12 +81,15 @@ class ScriptedLoader:
     """The model manager's loader: the real engine, with ``generate`` scriptable."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self._factory = EngineFactory(config, budget_bytes=2**30)
+        self._loader = build_loader(config, budget_bytes=2**30)
         self.reply: str | None = None
         self.prompts: list[str] = []
 
-    def __call__(self, entry: ModelEntry, kind: ModelKind, worker: Any) -> Any:
-        engine = self._factory(entry, kind, worker)
+    def resolve(self, entry: ModelEntry) -> Path:
+        return self._loader.resolve(entry)
+
+    def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: Any) -> Any:
+        engine = self._loader.build(entry, kind, path, worker)
         real_generate = engine.generate
         engine.generate = functools.partial(self._generate, engine, real_generate)
         return engine
