@@ -18,10 +18,10 @@ from mlxd.models.catalog import build_catalog
 from mlxd.models.qualification import FileHasher, check_qualified, qualification_problem
 from mlxd.models.registry import RegistryFile
 from mlxd.models.spec import ModelKind
+from mlxd.qualify import checks as qc
+from mlxd.qualify.run import finish_qualification, start_qualification
 from mlxd.server.app import build_app
 from mlxd.sources.manifest import artifact_files
-from mlxd.workflow import qualify_checks as qc
-from mlxd.workflow.qualify import finish_qualification, start_qualification
 from mlxd.workflow.register import find_entry, register
 from tests.helpers.server import RunningServer, running_server
 
@@ -131,7 +131,7 @@ def test_startup_applies_the_gate_in_every_app(home: Path) -> None:
 
 def test_qualify_own_server_ignores_require_qualified_from_the_environment(
         home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxd.workflow.qualify import in_process_server
+    from mlxd.qualify.run import in_process_server
 
     monkeypatch.setenv("MLXD_REQUIRE_QUALIFIED", "1")  # else nothing could ever be qualified
     registry = RegistryFile(home / "models.yaml")

@@ -141,8 +141,8 @@ def do_register(args: argparse.Namespace, out: Console, err: Console) -> int:
 
 
 def do_qualify(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from mlxd.workflow.qualify import qualify
-    from mlxd.workflow.qualify_checks import QualifyOptions
+    from mlxd.qualify.checks import QualifyOptions
+    from mlxd.qualify.run import qualify
 
     opts = QualifyOptions(max_perplexity=args.max_perplexity,
                           min_perplexity_ratio=args.min_perplexity_ratio,

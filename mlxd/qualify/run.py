@@ -3,7 +3,7 @@
 The model is loaded by the same ``ModelManager`` the server uses: either a
 server built in this process with ``build_app`` (on 127.0.0.1, a free port,
 only this entry registered) or a running one given with ``--url``. The checks
-for its kind (``qualify_checks``) run against the HTTP endpoints, then a short
+for its kind (``mlxd.qualify.checks``) run against the HTTP endpoints, then a short
 ``mlxd bench`` run (text). ``qualification.json`` records every check, the
 figures, the versions of mlx, mlx-lm and mlxd, and the size and sha256 of every
 model file (hashed before the checks); ``mlxd serve --require-qualified`` re-hashes
@@ -27,6 +27,7 @@ from mlxd.config import ServerConfig
 from mlxd.models.memory import parse_budget, read_config
 from mlxd.models.registry import RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.qualify import checks as qc
 from mlxd.sources.manifest import (
     finish_manifest,
     inventory,
@@ -38,7 +39,6 @@ from mlxd.sources.manifest import (
     write_manifest,
 )
 from mlxd.workflow import WorkflowError
-from mlxd.workflow import qualify_checks as qc
 from mlxd.workflow.register import find_entry
 
 StepFn = Callable[[str], None]
