@@ -6,7 +6,8 @@ import argparse
 import importlib
 import sys
 
-# (command, module, help). Each module defines add_parser(sub) and run(args) -> int.
+# (command, module, help). Each module defines add_parser(sub, name, help_text), which adds
+# the subcommand and sets its ``run`` default: run(args) -> exit code.
 COMMANDS = (
     ("serve", "mlxd.cli.serve", "start the server"),
     ("ps", "mlxd.cli.admin", "list models of a running server"),

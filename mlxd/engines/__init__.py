@@ -1,5 +1,5 @@
 """Engines: one module per model family. The only package that imports mlx_* libraries.
 
-Import engine modules lazily (``mlxd.engines.factory.create_engine``) so that
-the HTTP layer never pulls MLX in at import time.
+Engine modules are imported lazily, when a model of their kind is built
+(``mlxd.engines.factory``), so the HTTP layer never pulls MLX in at import time.
 """

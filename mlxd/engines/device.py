@@ -40,7 +40,3 @@ def release_free_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
             pass
-
-
-def active_memory_bytes() -> int:
-    return int(mx.get_active_memory())

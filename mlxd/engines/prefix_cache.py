@@ -66,10 +66,8 @@ class PrefixCache:
         self.identity = identity  # of the model whose KV states this cache holds
         self._cache = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
         self._lock = threading.Lock()
-        self._tokens: dict[tuple[int, ...], None] = {}
         self.hits = 0
         self.misses = 0
-        self.cached_tokens_served = 0
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +100,6 @@ class PrefixCache:
             self.misses += 1
             return None, 0
         self.hits += 1
-        self.cached_tokens_served += n_cached
         return cache, n_cached
 
     def insert(self, tokens: list[int], cache: list[Any]) -> None:

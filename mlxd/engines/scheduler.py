@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -101,13 +100,10 @@ class Sequence:
     sink: EventSink
     logprobs: bool = False
     top_logprobs: int = 0
-    use_prefix_cache: bool = True
     extra_processors: list[Callable[[mx.array, mx.array], mx.array]] = field(default_factory=list)
     processor_factory: Callable[[], list[Any]] | None = None
-    submitted_at: float = field(default_factory=time.monotonic)
     uid: int = -1
     error: str | None = None
-    cached_tokens: int = 0
 
 
 class SchedulerBase:
@@ -368,7 +364,7 @@ class BatchScheduler(SchedulerBase):
                 self._emit(seq, seq.pipeline.feed(r.token, lp))
             if r.finish_reason is not None:
                 del self.running[r.uid]
-                if self.prefix_cache is not None and seq.use_prefix_cache and r.prompt_cache:
+                if self.prefix_cache is not None and r.prompt_cache:
                     self.prefix_cache.insert(r.all_tokens, r.prompt_cache)
                 self._finish(seq, r.finish_reason)
         stopped = [s for s in self.running.values() if s.pipeline.stopped]
@@ -402,9 +398,8 @@ class BatchScheduler(SchedulerBase):
     def _admit(self, seq: Sequence) -> None:
         tokens = seq.prompt_tokens
         cache, n_cached = None, 0
-        if self.prefix_cache is not None and seq.use_prefix_cache:
+        if self.prefix_cache is not None:
             cache, n_cached = self.prefix_cache.fetch(tokens)
-        seq.cached_tokens = n_cached
         seq.pipeline.set_cached_tokens(n_cached)
         stop = StopSequences([[t] for t in sorted(seq.stop_token_ids)])
         (uid,) = self._gen.insert(
@@ -424,7 +419,6 @@ class BatchScheduler(SchedulerBase):
             return
         uids = [r.uid for r in prompt_responses
                 if r.end_of_prompt and r.uid in self.running
-                and self.running[r.uid].use_prefix_cache
                 and len(self.running[r.uid].prompt_tokens) >= IN_FLIGHT_CACHE_MIN_TOKENS]
         if not uids:
             return
@@ -437,7 +431,7 @@ class BatchScheduler(SchedulerBase):
         caches = self._gen.remove([s.uid for s in seqs], return_prompt_caches=keep_cache)
         for seq in seqs:
             self.running.pop(seq.uid, None)
-            if keep_cache and self.prefix_cache is not None and seq.use_prefix_cache:
+            if keep_cache and self.prefix_cache is not None:
                 found = caches.get(seq.uid)
                 if found:
                     cache, toks = found
@@ -448,22 +442,22 @@ class BatchScheduler(SchedulerBase):
         super().close()
         self._gen.close()
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.running)
-
 
 class SerialScheduler(SchedulerBase):
-    """One sequence at a time through ``generate_step``; queued requests wait."""
+    """One sequence at a time through ``generate_step``; queued requests wait.
+
+    No prefix cache: serial mode serves models whose caches cannot be merged or
+    trimmed, so every prompt is prefilled in full.
+    """
 
     mode = "serial"
 
     def __init__(self, model: Any, tokenizer: Any, *, max_queue: int, prefill_step_size: int,
-                 prefix_cache: PrefixCache | None, wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None]) -> None:
         super().__init__(model, tokenizer, max_num_seqs=1, max_queue=max_queue,
-                         prefix_cache=prefix_cache, wake=wake)
+                         prefix_cache=None, wake=wake)
         self.prefill_step_size = prefill_step_size
-        self._current: tuple[Sequence, Iterator[tuple[Any, Any]], list[Any]] | None = None
+        self._current: tuple[Sequence, Iterator[tuple[Any, Any]]] | None = None
 
     def _step(self) -> None:
         admitted, cancelled = self._take(0 if self._current else 1)
@@ -481,50 +475,42 @@ class SerialScheduler(SchedulerBase):
                 self._fail_setup(admitted[0], e)
         if self._current is None:
             return
-        seq, steps, cache = self._current
+        seq, steps = self._current
         try:
             token, logprobs = next(steps)
         except StopIteration:
-            self._end(seq, cache, "length")
+            self._end(seq, "length")
             return
         self.steps += 1
         if seq.error is not None:  # a processor or the sampler failed this step
-            self._end(seq, cache, "error")
+            self._end(seq, "error")
             return
         token = int(token)
         lp = self._logprob(seq, token, logprobs)
         if token in seq.stop_token_ids:
             self._emit(seq, seq.pipeline.count_eos(lp))
-            self._end(seq, cache, "stop")
+            self._end(seq, "stop")
             return
         self._emit(seq, seq.pipeline.feed(token, lp))
         if seq.error is not None:
-            self._end(seq, cache, "error")
+            self._end(seq, "error")
         elif seq.pipeline.stopped:
-            self._end(seq, cache, "stop")
+            self._end(seq, "stop")
         elif seq.pipeline.completion_tokens >= seq.max_tokens:
-            self._end(seq, cache, "length")
+            self._end(seq, "length")
 
     def _start(self, seq: Sequence) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
-        tokens = seq.prompt_tokens
-        cache, n_cached = (None, 0)
-        if self.prefix_cache is not None and seq.use_prefix_cache:
-            cache, n_cached = self.prefix_cache.fetch(tokens)
-        if cache is None:
-            cache = make_prompt_cache(self.model)
-        seq.cached_tokens = n_cached
-        seq.pipeline.set_cached_tokens(n_cached)
         steps = generate_step(
-            mx.array(tokens[n_cached:]), self.model, max_tokens=seq.max_tokens,
+            mx.array(seq.prompt_tokens), self.model, max_tokens=seq.max_tokens,
             sampler=self._guarded_sampler(seq),
             logits_processors=self._guarded_processors(seq),
-            prompt_cache=cache, prefill_step_size=self.prefill_step_size)
-        self._current = (seq, steps, cache)
+            prompt_cache=make_prompt_cache(self.model), prefill_step_size=self.prefill_step_size)
+        self._current = (seq, steps)
         self.running = {0: seq}
 
-    def _end(self, seq: Sequence, cache: list[Any], reason: str) -> None:
+    def _end(self, seq: Sequence, reason: str) -> None:
         self._current = None
         self.running.clear()
         self._finish(seq, reason, seq.error if reason == "error" else None)

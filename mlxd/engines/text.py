@@ -170,8 +170,7 @@ class MLXLanguageModel:
             self.prefix_cache = None  # serial mode does not track cache contents
             self.scheduler = SerialScheduler(
                 model, tokenizer, max_queue=self.options.max_queue,
-                prefill_step_size=self.options.prefill_step_size,
-                prefix_cache=None, wake=self.worker.wake)
+                prefill_step_size=self.options.prefill_step_size, wake=self.worker.wake)
         self.worker.set_stepper(self.scheduler)
         if self.prefix_cache is not None and self.options.prefix_cache_dir is not None:
             restored = self.prefix_cache.restore(self.options.prefix_cache_dir)

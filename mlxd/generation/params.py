@@ -40,9 +40,6 @@ class ToolSpec:
         return {"type": "function", "function": fn}
 
 
-ToolChoiceMode = Literal["auto", "none", "required"]
-
-
 @dataclass(frozen=True)
 class ToolChoice:
     """``auto`` / ``none`` / ``required``, or one named function (``mode="function"``)."""
@@ -56,8 +53,8 @@ class Constraint:
     """Structured-output constraint, compiled by the engine into a token mask.
 
     kind: ``json_schema`` (value: the schema dict), ``json_object`` (value
-    None), ``regex`` (a pattern) or ``grammar`` (a Lark grammar), or
-    ``tool_call`` (value: the tool-call grammar built by the pipeline).
+    None), ``regex`` (a pattern), or ``grammar`` / ``lark`` (a Lark grammar;
+    ``lark`` is also what a forced tool call compiles to).
     """
 
     kind: Literal["json_schema", "json_object", "regex", "grammar", "lark"]
@@ -77,15 +74,9 @@ class GenerationRequest:
     include_stop_str_in_output: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    echo: bool = False
     tools: list[ToolSpec] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     constraint: Constraint | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    request_id: str = ""
-
-    @property
-    def is_chat(self) -> bool:
-        return self.messages is not None

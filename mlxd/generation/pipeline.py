@@ -89,10 +89,6 @@ class OutputPipeline:
         """A stop string matched: the engine must end this sequence now."""
         return self._stop.stopped
 
-    @property
-    def tool_calls_made(self) -> int:
-        return self._tool_calls
-
     def set_cached_tokens(self, n: int) -> None:
         """Record how many prompt tokens came from the prefix cache (for usage)."""
         self._opt.cached_tokens = n

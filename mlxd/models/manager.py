@@ -137,9 +137,6 @@ class ModelManager:
     def get(self, name: str) -> ResidencyManager:
         return self._models[self.resolve_name(name)]
 
-    def kind_of(self, name: str) -> ModelKind:
-        return self.get(name).kind
-
     # -- budget -------------------------------------------------------------
     def used_bytes(self, exclude: ResidencyManager | None = None) -> int:
         return sum(r.accounted_bytes() for r in self._models.values() if r is not exclude)

@@ -20,7 +20,6 @@ from mlxd.models.spec import ModelKind, parse_size
 if TYPE_CHECKING:
     from mlxd.config import ServerConfig
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
 DEFAULT_KV_RESERVE_TOKENS = 32_768
 ACTIVATION_RESERVE = {ModelKind.EMBEDDING: 0.25, ModelKind.RERANK: 0.25,
                       ModelKind.STT: 0.5, ModelKind.TTS: 0.5}

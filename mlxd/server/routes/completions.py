@@ -65,7 +65,6 @@ def generation_request(ctx: ServerContext, req: CompletionRequest,
         stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
-        echo=req.echo,
         constraint=constraint(req.response_format, regex=req.regex, grammar=req.grammar,
                               guided_json=req.guided_json))
 
