@@ -108,7 +108,7 @@ def test_a_failing_request_does_not_end_the_others(batch_server: RunningServer) 
             prompt=prompt, max_tokens=30, sampling=SamplingParams(temperature=0)))
         sink = AsyncQueueSink(asyncio.get_running_loop())
         engine.scheduler.submit(Sequence(
-            seq_id=prompt, prompt_tokens=prepared.tokens, max_tokens=30,
+            seq_id=prompt, prompt=prepared, max_tokens=30,
             sampling=SamplingParams(temperature=0), stop_token_ids=prepared.stop_token_ids,
             pipeline=engine._pipeline(prepared), sink=sink,
             extra_processors=[boom] if broken else []))

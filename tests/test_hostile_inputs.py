@@ -196,15 +196,15 @@ def test_a_failed_step_leaves_the_scheduler_and_prng_usable(
     """A failure no sequence can be blamed for (the whole step raised, after poisoning
     the PRNG) fails the step's requests; the next sampled request works."""
     sched = tiny_server.ctx.manager.get("tiny").engine.scheduler
-    real_next = sched._gen.next
+    real_next = sched.decoder.next
 
     def boom() -> Any:
         try:
             _broken_sampler(mx.zeros((1, 8)))
         finally:
-            monkeypatch.setattr(sched._gen, "next", real_next)
+            monkeypatch.setattr(sched.decoder, "next", real_next)
 
-    monkeypatch.setattr(sched._gen, "next", boom)
+    monkeypatch.setattr(sched.decoder, "next", boom)
     path, body = _chat(temperature=0.7)
     assert http.post(path, json=body).status_code == 500
     assert_still_serves(http)

@@ -226,7 +226,7 @@ def test_reload_builds_a_fresh_engine_tokenizer_and_parsers(
         first = srv.ctx.manager.get("a").engine
         assert first.reasoning is None and first.tool_format.name == "hermes"
         assert detoks[-1]._tok is first.tokenizer
-        old = (first, first.tokenizer, first.grammar_tokenizer, detoks[-1])
+        old = (first, first.tokenizer, first.inputs, first.inputs.grammar_tokenizer, detoks[-1])
         assert http.post("/v1/models/unload", json={"model": "a"}).status_code == 200
         for name in ("tokenizer.json", "special_tokens_map.json"):
             shutil.copy(agent_model / name, served / name)
@@ -236,7 +236,8 @@ def test_reload_builds_a_fresh_engine_tokenizer_and_parsers(
         assert http.post("/v1/models/load", json={"model": "a"}).status_code == 200
         assert chat(http, "a").status_code == 200
         second = srv.ctx.manager.get("a").engine
-        new = (second, second.tokenizer, second.grammar_tokenizer, detoks[-1])
+        new = (second, second.tokenizer, second.inputs, second.inputs.grammar_tokenizer,
+               detoks[-1])
         assert all(a is not b for a, b in zip(old, new))
         assert detoks[-1]._tok is second.tokenizer  # this request decodes with the new one
         assert second.reasoning is not None and second.reasoning.start == "<think>"

@@ -8,6 +8,12 @@ A saved cache records the identity of the model that wrote it (``model_identity`
 and is only restored into that same model: a served name re-pointed to other
 weights, or a re-converted model, starts cold instead of reusing KV states that
 another model computed.
+
+Entries live in namespaces (the trie's per-"model" key): the model identity,
+the hashes of the media behind a prompt's placeholder tokens and the
+request's cache salt. Two prompts with the same tokens but different images
+(or salts) never share a KV state; the same image with the same salt does.
+A namespace is computed once per sequence, when it is admitted.
 """
 
 from __future__ import annotations
@@ -32,7 +38,6 @@ from mlx_lm.models.cache import (
 
 log = logging.getLogger(__name__)
 
-_KEY = "model"  # one cache per loaded model, so the trie needs a single key
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
 _HASHED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
@@ -58,6 +63,10 @@ def model_identity(path: Path) -> str:
     return h.hexdigest()
 
 
+def _namespace(identity: str, media_hashes: tuple[str, ...], salt: str | None) -> str:
+    return json.dumps([identity, list(media_hashes), salt])
+
+
 class PrefixCache:
     """Thread-safe prefix cache for one model."""
 
@@ -66,6 +75,7 @@ class PrefixCache:
         self.identity = identity  # of the model whose KV states this cache holds
         self._cache = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
         self._lock = threading.Lock()
+        self._text_namespace = _namespace(identity, (), None)
         self.hits = 0
         self.misses = 0
 
@@ -76,16 +86,25 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._cache)
 
-    def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
+    def namespace(self, media_hashes: tuple[str, ...] = (), salt: str | None = None) -> str:
+        """The namespace of prompts with these media (in prompt order) and this salt."""
+        if not media_hashes and salt is None:
+            return self._text_namespace
+        return _namespace(self.identity, media_hashes, salt)
+
+    def fetch(self, tokens: list[int], namespace: str | None = None
+              ) -> tuple[list[Any] | None, int]:
         """Return ``(cache, n_cached)``: a private copy covering ``tokens[:n_cached]``.
 
+        Only entries of ``namespace`` (default: plain text prompts) can match.
         At least one token is always left to process, since generation needs
         the logits of the last prompt token.
         """
         if self.max_bytes <= 0 or len(tokens) < 2:
             return None, 0
         with self._lock:
-            cache, rest = self._cache.fetch_nearest_cache(_KEY, tokens)
+            cache, rest = self._cache.fetch_nearest_cache(namespace or self._text_namespace,
+                                                          tokens)
         if cache is None:
             self.misses += 1
             return None, 0
@@ -102,27 +121,28 @@ class PrefixCache:
         self.hits += 1
         return cache, n_cached
 
-    def insert(self, tokens: list[int], cache: list[Any]) -> None:
+    def insert(self, tokens: list[int], cache: list[Any], namespace: str | None = None) -> None:
+        """Cache ``cache``, the KV state of ``tokens``, under ``namespace``."""
         if self.max_bytes <= 0 or not tokens:
             return
         # Entries extracted from a running batch are lazy slices of the batch's
         # whole KV buffer; evaluate them so an entry holds only its own bytes.
         mx.eval([c.state for c in cache])
         with self._lock:
-            self._cache.insert_cache(_KEY, list(tokens), cache)
+            self._cache.insert_cache(namespace or self._text_namespace, list(tokens), cache)
 
     def clear(self) -> None:
         with self._lock:
             self._cache.trim_to(n_sequences=0)
 
-    def entries(self) -> list[tuple[list[int], list[Any]]]:
-        """Every cached (tokens, cache) pair, least recently used first."""
+    def entries(self) -> list[tuple[str, list[int], list[Any]]]:
+        """Every cached (namespace, tokens, cache), least recently used first."""
         with self._lock:
             out = []
             for lru in self._cache._lru._lrus.values():
-                for _model, toks in lru:
-                    entry = self._cache._trie.get(_KEY, toks)
-                    out.append((list(toks), entry.prompt_cache))
+                for namespace, toks in lru:
+                    entry = self._cache._trie.get(namespace, toks)
+                    out.append((namespace, list(toks), entry.prompt_cache))
             return out
 
     def save(self, folder: Path) -> int:
@@ -131,9 +151,9 @@ class PrefixCache:
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
-        for i, (toks, cache) in enumerate(entries):
+        for i, (namespace, toks, cache) in enumerate(entries):
             save_prompt_cache(str(tmp / f"{i:05d}.safetensors"), cache,
-                              metadata={"tokens": json.dumps(toks)})
+                              metadata={"tokens": json.dumps(toks), "namespace": namespace})
         (tmp / "index.json").write_text(json.dumps({"entries": len(entries),
                                                     "model_identity": self.identity}))
         old = folder.with_name(folder.name + ".old")
@@ -164,7 +184,7 @@ class PrefixCache:
         for path in sorted(folder.glob("*.safetensors")):
             try:
                 cache, meta = load_prompt_cache(str(path), return_metadata=True)
-                self.insert(json.loads(meta["tokens"]), cache)
+                self.insert(json.loads(meta["tokens"]), cache, meta.get("namespace"))
                 n += 1
             except Exception as e:  # a stale or corrupt file must not stop a load
                 log.warning("skipping prefix cache file %s: %s", path, e)

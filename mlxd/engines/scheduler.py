@@ -1,10 +1,17 @@
 """Schedulers that drive text generation on a model's worker thread.
 
-``BatchScheduler`` does continuous batching over mlx-lm's ``BatchGenerator``:
+``BatchScheduler`` does continuous batching over a ``Decoder``
+(``engines/decoder.py``; mlx-lm's ``BatchGenerator`` for text models):
 requests join between decode steps, leave when finished, stopped or
 cancelled, and long prompts are prefilled in chunks interleaved with decode.
-``SerialScheduler`` runs one sequence at a time with ``generate_step`` for
-models whose caches cannot be batched (or with ``--no-batching``).
+``SerialScheduler`` runs one sequence at a time through a ``SerialDecoder``
+for models whose caches cannot be batched (or with ``--no-batching``).
+Neither knows which library decodes: a sequence carries its prepared prompt
+(tokens, media, cache salt) and the decoder reads what it needs from it.
+
+The prefix cache is keyed by the prompt's tokens within a namespace of the
+model's identity, the prompt's media hashes and its cache salt, computed once
+when a sequence is admitted; the per-step path does no extra work.
 
 Entry points called from the event loop (``submit``, ``cancel``) only touch
 lock-protected queues; everything else runs on the worker thread.
@@ -21,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 
+from mlxd.engines.decoder import Decoder, SerialDecoder
 from mlxd.engines.device import release_free_memory
+from mlxd.engines.input_processor import PreparedPrompt
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.sampling import (
     Sampler,
@@ -92,7 +100,7 @@ class Sequence:
     """One generation in a scheduler."""
 
     seq_id: str
-    prompt_tokens: list[int]
+    prompt: PreparedPrompt  # tokens, media and cache salt
     max_tokens: int
     sampling: SamplingParams
     stop_token_ids: set[int]
@@ -104,14 +112,18 @@ class Sequence:
     processor_factory: Callable[[], list[Any]] | None = None
     uid: int = -1
     error: str | None = None
+    cache_key: str | None = None  # prefix-cache namespace, set on admission
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.prompt.tokens
 
 
 class SchedulerBase:
     """Queueing, cancellation and event delivery shared by both schedulers."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_num_seqs: int, max_queue: int,
+    def __init__(self, tokenizer: Any, *, max_num_seqs: int, max_queue: int,
                  prefix_cache: PrefixCache | None, wake: Callable[[], None]) -> None:
-        self.model = model
         self.tokenizer = tokenizer
         self.max_num_seqs = max(1, max_num_seqs)
         self.max_queue = max(0, max_queue)
@@ -300,34 +312,26 @@ class SchedulerBase:
 
 
 class BatchScheduler(SchedulerBase):
-    """Continuous batching over ``mlx_lm.generate.BatchGenerator``."""
+    """Continuous batching over a ``Decoder``."""
 
     mode = "batched"
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_num_seqs: int, max_queue: int,
+    def __init__(self, decoder: Decoder, tokenizer: Any, *, max_num_seqs: int, max_queue: int,
                  prefill_step_size: int, prefix_cache: PrefixCache | None,
                  wake: Callable[[], None]) -> None:
-        super().__init__(model, tokenizer, max_num_seqs=max_num_seqs, max_queue=max_queue,
+        super().__init__(tokenizer, max_num_seqs=max_num_seqs, max_queue=max_queue,
                          prefix_cache=prefix_cache, wake=wake)
+        self.decoder = decoder
         self.prefill_step_size = prefill_step_size
-        self._eos = sorted(tokenizer.eos_token_ids)
-        self._gen = self._new_generator()
         self._decode_step_s: float | None = None  # moving average per decode step
         self._prefill_tps: float | None = None  # moving average prompt tokens/s
 
-    def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
-            self.model,
-            max_tokens=1,
-            stop_tokens=[[t] for t in self._eos],
-            completion_batch_size=self.max_num_seqs,
-            prefill_batch_size=self.max_num_seqs,
-            prefill_step_size=self.prefill_step_size,
-            stream=mx.default_stream(mx.default_device()),
-        )
-
     def _reset_after_failure(self) -> None:
-        self._gen = self._new_generator()
+        self.decoder.reset()
+
+    def cache_nbytes(self) -> int:
+        """Bytes the running batch's KV states hold (any thread)."""
+        return self.decoder.cache_nbytes()
 
     def _step(self) -> None:
         admitted, cancelled = self._take(self.max_num_seqs - len(self.running))
@@ -341,9 +345,10 @@ class BatchScheduler(SchedulerBase):
         if not self.running:
             return
         decoding = any(s.pipeline.completion_tokens for s in self.running.values())
-        self._gen.prefill_step_size = self._prefill_chunk(decoding)
-        with self._gen.stats() as stats:
-            prompt_responses, responses = self._gen.next()
+        decoder = self.decoder
+        decoder.set_prefill_chunk(self._prefill_chunk(decoding))
+        with decoder.stats() as stats:
+            prompt_responses, responses = decoder.next()
         self._observe(stats)
         self.steps += 1
         self._cache_finished_prompts(prompt_responses)
@@ -365,7 +370,7 @@ class BatchScheduler(SchedulerBase):
             if r.finish_reason is not None:
                 del self.running[r.uid]
                 if self.prefix_cache is not None and r.prompt_cache:
-                    self.prefix_cache.insert(r.all_tokens, r.prompt_cache)
+                    self.prefix_cache.insert(r.all_tokens, r.prompt_cache, seq.cache_key)
                 self._finish(seq, r.finish_reason)
         stopped = [s for s in self.running.values() if s.pipeline.stopped]
         if stopped:
@@ -396,21 +401,15 @@ class BatchScheduler(SchedulerBase):
                 0.7 * self._prefill_tps + 0.3 * tps
 
     def _admit(self, seq: Sequence) -> None:
-        tokens = seq.prompt_tokens
+        prompt = seq.prompt
         cache, n_cached = None, 0
         if self.prefix_cache is not None:
-            cache, n_cached = self.prefix_cache.fetch(tokens)
+            seq.cache_key = self.prefix_cache.namespace(prompt.media_hashes, prompt.cache_salt)
+            cache, n_cached = self.prefix_cache.fetch(prompt.tokens, seq.cache_key)
         seq.pipeline.set_cached_tokens(n_cached)
-        stop = StopSequences([[t] for t in sorted(seq.stop_token_ids)])
-        (uid,) = self._gen.insert(
-            [tokens[n_cached:]],
-            max_tokens=[seq.max_tokens],
-            caches=[cache] if cache is not None else None,
-            all_tokens=[tokens[:n_cached]] if cache is not None else None,
-            samplers=[self._guarded_sampler(seq)],
-            logits_processors=[self._guarded_processors(seq)],
-            stop_sequences=[stop],
-        )
+        uid = self.decoder.insert(
+            prompt, n_cached, cache, self._guarded_sampler(seq), self._guarded_processors(seq),
+            seq.stop_token_ids, seq.max_tokens)
         seq.uid = uid
         self.running[uid] = seq
 
@@ -422,29 +421,29 @@ class BatchScheduler(SchedulerBase):
                 and len(self.running[r.uid].prompt_tokens) >= IN_FLIGHT_CACHE_MIN_TOKENS]
         if not uids:
             return
-        for _uid, (cache, toks) in self._gen.extract_cache(uids).items():
-            self.prefix_cache.insert(list(toks), cache)
+        for uid, (cache, toks) in self.decoder.extract_cache(uids).items():
+            self.prefix_cache.insert(list(toks), cache, self.running[uid].cache_key)
 
     def _remove(self, seqs: list[Sequence], reason: str, keep_cache: bool = False) -> None:
         if not seqs:
             return
-        caches = self._gen.remove([s.uid for s in seqs], return_prompt_caches=keep_cache)
+        caches = self.decoder.remove([s.uid for s in seqs], return_caches=keep_cache)
         for seq in seqs:
             self.running.pop(seq.uid, None)
             if keep_cache and self.prefix_cache is not None:
                 found = caches.get(seq.uid)
                 if found:
                     cache, toks = found
-                    self.prefix_cache.insert(list(toks), cache)
+                    self.prefix_cache.insert(list(toks), cache, seq.cache_key)
             self._finish(seq, reason, seq.error if reason == "error" else None)
 
     def close(self) -> None:
         super().close()
-        self._gen.close()
+        self.decoder.close()
 
 
 class SerialScheduler(SchedulerBase):
-    """One sequence at a time through ``generate_step``; queued requests wait.
+    """One sequence at a time through a ``SerialDecoder``; queued requests wait.
 
     No prefix cache: serial mode serves models whose caches cannot be merged or
     trimmed, so every prompt is prefilled in full.
@@ -452,11 +451,11 @@ class SerialScheduler(SchedulerBase):
 
     mode = "serial"
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_queue: int, prefill_step_size: int,
+    def __init__(self, decoder: SerialDecoder, tokenizer: Any, *, max_queue: int,
                  wake: Callable[[], None]) -> None:
-        super().__init__(model, tokenizer, max_num_seqs=1, max_queue=max_queue,
+        super().__init__(tokenizer, max_num_seqs=1, max_queue=max_queue,
                          prefix_cache=None, wake=wake)
-        self.prefill_step_size = prefill_step_size
+        self.decoder = decoder
         self._current: tuple[Sequence, Iterator[tuple[Any, Any]]] | None = None
 
     def _step(self) -> None:
@@ -500,13 +499,8 @@ class SerialScheduler(SchedulerBase):
             self._end(seq, "length")
 
     def _start(self, seq: Sequence) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        steps = generate_step(
-            mx.array(seq.prompt_tokens), self.model, max_tokens=seq.max_tokens,
-            sampler=self._guarded_sampler(seq),
-            logits_processors=self._guarded_processors(seq),
-            prompt_cache=make_prompt_cache(self.model), prefill_step_size=self.prefill_step_size)
+        steps = self.decoder.start(seq.prompt, self._guarded_sampler(seq),
+                                   self._guarded_processors(seq), seq.max_tokens)
         self._current = (seq, steps)
         self.running = {0: seq}
 

@@ -8,6 +8,7 @@ batch have no processor and pay nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from copy import copy
 from typing import Any, cast
 
 import mlx.core as mx
@@ -21,8 +22,9 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 class GrammarTokenizer:
     """llguidance's view of a model's tokenizer (built lazily; ~1 s for big vocabularies)."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> None:
-        self._hf = hf_tokenizer
+    def __init__(self, backend_tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> None:
+        # A ``tokenizers.Tokenizer`` (a fast HF tokenizer's public ``backend_tokenizer``).
+        self._backend = backend_tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self._ll: Any = None
@@ -30,11 +32,16 @@ class GrammarTokenizer:
     @property
     def ll(self) -> Any:
         if self._ll is None:
-            from llguidance.hf import from_tokenizer
+            from llguidance import LLTokenizer
 
-            self._ll = from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                      eos_token=self.eos_ids[0] if len(self.eos_ids) == 1
-                                      else self.eos_ids)
+            # What llguidance.hf.from_tokenizer does, from the backend tokenizer: its
+            # JSON (added tokens included) without padding or truncation.
+            backend = copy(self._backend)
+            backend.no_padding()
+            backend.no_truncation()
+            self._ll = LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                   eos_token=self.eos_ids[0] if len(self.eos_ids) == 1
+                                   else self.eos_ids)
         return self._ll
 
     def validate(self, grammar: str, param: str = "response_format") -> None:

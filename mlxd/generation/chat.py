@@ -1,12 +1,16 @@
 """Canonical chat messages for chat templates, whatever API they came from.
 
-Adapters convert their API's messages into this one shape (OpenAI-like, with
-string content); the engine renders it with the model's chat template.
+Adapters convert their API's messages into this one shape (OpenAI-like: content
+a string or a list of parts). The parts reach the engine's input processor
+intact; it decides how content becomes template content (a text model keeps
+the text parts, a vision model also its image parts) and renders the result
+with the model's chat template.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from mlxd.errors import InvalidRequest
@@ -52,12 +56,21 @@ def _arguments_object(arguments: Any) -> Any:
     return arguments
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages ready for ``apply_chat_template``."""
+def _text_content(content: Any, where: str) -> Any:
+    return content_text(content, where=where)
+
+
+def template_messages(messages: list[dict[str, Any]],
+                      content: Callable[[Any, str], Any] = _text_content) -> list[dict[str, Any]]:
+    """Messages ready for ``apply_chat_template``.
+
+    ``content(value, where)`` turns one message's content into what the
+    template takes; by default the text of its parts (media parts are a 400).
+    """
     out = []
     for i, m in enumerate(messages):
         msg: dict[str, Any] = {"role": m["role"],
-                               "content": content_text(m.get("content"), where=f"messages[{i}].content")}
+                               "content": content(m.get("content"), f"messages[{i}].content")}
         if m.get("tool_calls"):
             msg["tool_calls"] = [
                 {"id": tc.get("id"), "type": "function",

@@ -80,3 +80,6 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Keeps this request's prefix-cache entries apart from requests with another
+    # salt (vLLM's ``cache_salt``); None shares with every unsalted request.
+    cache_salt: str | None = None

@@ -1,0 +1,115 @@
+"""Decoders over mlx-lm (``engines/decoder.py``'s interfaces for token prompts).
+
+``LMBatchDecoder`` wraps ``mlx_lm.generate.BatchGenerator``; ``LMSerialDecoder``
+wraps ``generate_step``. Media items are never set on a text model's prompts
+(its input processor refuses media parts), so both read tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxd.engines.decoder import (
+    CacheAndTokens,
+    LogitsProcessor,
+    PromptProgress,
+    Sampler,
+    StepStats,
+    TokenResponse,
+)
+from mlxd.engines.input_processor import PreparedPrompt
+
+# Reading the batch's cache size from another thread can meet the worker
+# mid-update (a deque or list resized while summed); a few retries find a
+# quiet moment.
+_NBYTES_TRIES = 3
+
+
+class LMBatchDecoder:
+    """Continuous batching over mlx-lm's ``BatchGenerator``."""
+
+    def __init__(self, model: Any, *, eos_ids: list[int], max_num_seqs: int,
+                 prefill_step_size: int) -> None:
+        self.model = model
+        self._eos = sorted(eos_ids)
+        self._max_num_seqs = max_num_seqs
+        self._prefill_step_size = prefill_step_size
+        self._gen = self._new_generator()
+
+    def _new_generator(self) -> BatchGenerator:
+        gen = BatchGenerator(
+            self.model,
+            max_tokens=1,
+            stop_tokens=[[t] for t in self._eos],
+            completion_batch_size=self._max_num_seqs,
+            prefill_batch_size=self._max_num_seqs,
+            prefill_step_size=self._prefill_step_size,
+            stream=mx.default_stream(mx.default_device()),
+        )
+        return gen
+
+    def next(self) -> tuple[list[PromptProgress], list[TokenResponse]]:
+        return cast(tuple[list[PromptProgress], list[TokenResponse]], self._gen.next())
+
+    def stats(self) -> AbstractContextManager[StepStats]:
+        return cast(AbstractContextManager[StepStats], self._gen.stats())
+
+    def insert(self, prompt: PreparedPrompt, n_cached: int, cache: list[Any] | None,
+               sampler: Sampler, processors: list[LogitsProcessor], stop: set[int],
+               max_tokens: int) -> int:
+        tokens = prompt.tokens
+        (uid,) = self._gen.insert(
+            [tokens[n_cached:]],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[tokens[:n_cached]] if cache is not None else None,
+            samplers=[sampler],
+            logits_processors=[processors],
+            stop_sequences=[StopSequences([[t] for t in sorted(stop)])],
+        )
+        return int(uid)
+
+    def remove(self, uids: list[int], return_caches: bool = False) -> dict[int, CacheAndTokens]:
+        return self._gen.remove(uids, return_prompt_caches=return_caches)
+
+    def extract_cache(self, uids: list[int]) -> dict[int, CacheAndTokens]:
+        return self._gen.extract_cache(uids)
+
+    def set_prefill_chunk(self, tokens: int) -> None:
+        self._gen.prefill_step_size = tokens
+
+    def cache_nbytes(self) -> int:
+        for _ in range(_NBYTES_TRIES):
+            try:
+                return int(self._gen.prompt_cache_nbytes)
+            except (RuntimeError, IndexError):  # the worker changed the batch meanwhile
+                continue
+        return 0
+
+    def reset(self) -> None:
+        self._gen = self._new_generator()  # the old one closes itself when collected
+
+    def close(self) -> None:
+        self._gen.close()
+
+
+class LMSerialDecoder:
+    """One sequence at a time through mlx-lm's ``generate_step`` (unbatchable caches)."""
+
+    def __init__(self, model: Any, *, prefill_step_size: int) -> None:
+        self.model = model
+        self.prefill_step_size = prefill_step_size
+
+    def start(self, prompt: PreparedPrompt, sampler: Sampler,
+              processors: list[LogitsProcessor], max_tokens: int
+              ) -> Iterator[tuple[Any, mx.array]]:
+        return generate_step(
+            mx.array(prompt.tokens), self.model, max_tokens=max_tokens, sampler=sampler,
+            logits_processors=processors, prompt_cache=make_prompt_cache(self.model),
+            prefill_step_size=self.prefill_step_size)
