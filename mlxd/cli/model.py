@@ -14,10 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mlxd.config import default_home
-
-REGISTRY_ENV = "MLXD_MODELS_CONFIG"
-DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "max_context", "max_num_seqs")
+from mlxd.cli.model_common import DEFAULT_FIELDS, REGISTRY_ENV
 
 
 def _common(p: argparse.ArgumentParser, registry: bool = False) -> None:
@@ -137,17 +134,6 @@ def add_parser(sub: Any, name: str, help_text: str) -> None:
                 _add_show):
         add(msub)
     p.set_defaults(run=run)
-
-
-def home_of(args: argparse.Namespace) -> Path:
-    return Path(args.home).expanduser() if args.home else default_home()
-
-
-def registry_of(args: argparse.Namespace) -> Any:
-    from mlxd.models.registry import RegistryFile
-
-    path = args.models_config or os.environ.get(REGISTRY_ENV) or home_of(args) / "models.yaml"
-    return RegistryFile(Path(path).expanduser())
 
 
 def _maybe_preload_blas(args: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-from mlxd.cli.model import DEFAULT_FIELDS, home_of, registry_of
+from mlxd.cli.model_common import DEFAULT_FIELDS, home_of, registry_of
 from mlxd.cli.model_render import (
     print_json,
     progress_bar,
