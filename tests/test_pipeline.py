@@ -6,16 +6,16 @@ import json
 
 import pytest
 
+from mlxd.engines.tool_parsers import TOOL_PARSERS
 from mlxd.generation.detokenizer import IncrementalDetokenizer
 from mlxd.generation.events import Finish, ReasoningDelta, TextDelta, ToolCall
 from mlxd.generation.params import ToolSpec
 from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
-from mlxd.generation.reasoning import REASONING_FORMATS
-from mlxd.generation.tools import TOOL_CALL_FORMATS
+from mlxd.generation.reasoning import REASONING_PARSERS
 from tests.helpers.scripted import PieceTokenizer, char_pieces, split_all_ways
 
-THINK = REASONING_FORMATS["think"]
-HERMES = TOOL_CALL_FORMATS["hermes"]
+THINK = REASONING_PARSERS["think"]
+HERMES = TOOL_PARSERS["hermes"]
 TOOLS = [ToolSpec("get_weather", None, {"type": "object", "properties": {}})]
 
 
@@ -129,7 +129,7 @@ def test_unparseable_tool_markup_is_returned_as_text_not_lost() -> None:
 
 
 def test_llama3_bare_json_call() -> None:
-    fmt = TOOL_CALL_FORMATS["llama3_json"]
+    fmt = TOOL_PARSERS["llama3_json"]
     text = '  {"name": "get_weather", "parameters": {"city": "Oslo"}}'
     for pieces in split_all_ways(text, max_cuts=1):
         out = run(pieces, tool_format=fmt, tools=TOOLS)
@@ -138,13 +138,13 @@ def test_llama3_bare_json_call() -> None:
 
 
 def test_llama3_plain_answer_is_content() -> None:
-    out = run(char_pieces("It is sunny."), tool_format=TOOL_CALL_FORMATS["llama3_json"], tools=TOOLS)
+    out = run(char_pieces("It is sunny."), tool_format=TOOL_PARSERS["llama3_json"], tools=TOOLS)
     assert out["content"] == "It is sunny."
 
 
 def test_mistral_tool_calls_use_mlx_lm_parser() -> None:
     text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Bern"}}]'
-    out = run(char_pieces(text), tool_format=TOOL_CALL_FORMATS["mistral"], tools=TOOLS)
+    out = run(char_pieces(text), tool_format=TOOL_PARSERS["mistral"], tools=TOOLS)
     assert out["calls"] == [("get_weather", {"city": "Bern"})]
 
 
@@ -161,12 +161,12 @@ def test_usage_counts_tokens_and_reasoning_tokens() -> None:
     assert usage.reasoning_tokens == len("ab</think>")  # tokens fed inside the block
 
 
-@pytest.mark.parametrize("name", sorted(set(TOOL_CALL_FORMATS) - {"llama3_json"}))
+@pytest.mark.parametrize("name", sorted(set(TOOL_PARSERS) - {"llama3_json"}))
 def test_tool_formats_mirror_mlx_lm_markers(name: str) -> None:
     """Our table of mlx-lm formats (llama3_json is ours alone) must agree with mlx-lm."""
     import importlib
 
-    fmt = TOOL_CALL_FORMATS[name]
+    fmt = TOOL_PARSERS[name]
     module_name = {"hermes": "json_tools"}.get(name, name)
     module = importlib.import_module(f"mlx_lm.tool_parsers.{module_name}")
     assert (fmt.start, fmt.end) == (module.tool_call_start, module.tool_call_end)

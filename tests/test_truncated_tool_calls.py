@@ -20,11 +20,11 @@ import anthropic
 import pytest
 from openai import OpenAI
 
+from mlxd.engines.tool_parsers import TOOL_PARSERS
 from mlxd.generation.detokenizer import IncrementalDetokenizer
 from mlxd.generation.events import Finish, TextDelta, ToolCall
 from mlxd.generation.params import ToolSpec
 from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
-from mlxd.generation.tools import TOOL_CALL_FORMATS
 from mlxd.generation.truncated import parse_partial_json
 from tests.helpers.scripted import PieceTokenizer, char_pieces
 from tests.helpers.scripted_engine import ScriptedLoader
@@ -46,7 +46,7 @@ def run(text: str, finish: str, fmt: str = "hermes",
         tools: tuple[str, ...] = ("get_weather",)) -> list[Any]:
     tok = PieceTokenizer()
     pipe = OutputPipeline(IncrementalDetokenizer(tok), PipelineOptions(
-        tool_format=TOOL_CALL_FORMATS[fmt], tools=[ToolSpec(t, None, PARAMS) for t in tools]))
+        tool_format=TOOL_PARSERS[fmt], tools=[ToolSpec(t, None, PARAMS) for t in tools]))
     events: list[Any] = []
     for piece in char_pieces(text):
         events += pipe.feed(tok.add(piece))

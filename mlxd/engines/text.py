@@ -33,13 +33,14 @@ from mlxd.engines.scheduler import (
     SerialScheduler,
 )
 from mlxd.engines.structured import GrammarTokenizer
+from mlxd.engines.tool_parsers import tool_call_format
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.generation.detokenizer import IncrementalDetokenizer
 from mlxd.generation.events import Event, Finish, TokenLogprob, TopLogprob
 from mlxd.generation.params import GenerationRequest
 from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
 from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
-from mlxd.generation.tools import ToolCallFormat, tool_call_format
+from mlxd.generation.tools import ToolCallFormat
 from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -172,9 +173,7 @@ class MLXLanguageModel:
         tok = self.tokenizer
         detected = (tok.think_start, tok.think_end) if tok.has_thinking else None
         self.reasoning = reasoning_format(self.options.reasoning_parser, detected)
-        mlx_parser = tok.init_kwargs.get("tool_parser_type") if hasattr(tok, "init_kwargs") else None
-        self.tool_format = tool_call_format(self.options.tool_call_parser,
-                                            tok.chat_template, mlx_parser)
+        self.tool_format = tool_call_format(self.options.tool_call_parser, tok)
 
     def persist_state(self) -> int:
         """Save the prefix cache so a reload can restore it (unload hook)."""

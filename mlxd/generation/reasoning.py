@@ -9,11 +9,14 @@ as DeepSeek-R1's open ``<think>`` themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
+
+from mlxd.generation.registry import NamedRegistry
 
 
 @dataclass(frozen=True)
 class ReasoningFormat:
+    """The markers around a model's reasoning (``start`` ... ``end``)."""
+
     name: str
     start: str
     end: str
@@ -26,18 +29,19 @@ class ReasoningFormat:
         return at >= 0 and tail.find(self.end, at) < 0
 
 
-_FORMATS = (
-    ReasoningFormat("think", "<think>", "</think>", "any model using <think>...</think>"),
-    ReasoningFormat("qwen3", "<think>", "</think>",
-                    "Qwen3, QwQ (enable_thinking via chat_template_kwargs)"),
-    ReasoningFormat("deepseek_r1", "<think>", "</think>",
-                    "DeepSeek-R1 and its distills (template opens <think>)"),
-    ReasoningFormat("longcat", "<longcat_think>", "</longcat_think>", "LongCat"),
-    ReasoningFormat("think_tokens", "<|think:start|>", "<|think:end|>", "models with <|think:*|> tokens"),
-    ReasoningFormat("gemma_channel", "<|channel>thought", "<channel|>", "Gemma 4 thought channel"),
-)
-
-REASONING_FORMATS = MappingProxyType({f.name: f for f in _FORMATS})
+REASONING_PARSERS: NamedRegistry[ReasoningFormat] = NamedRegistry("reasoning parser")
+REASONING_PARSERS.add(ReasoningFormat("think", "<think>", "</think>",
+                                      "any model using <think>...</think>"))
+REASONING_PARSERS.add(ReasoningFormat("qwen3", "<think>", "</think>",
+                                      "Qwen3, QwQ (enable_thinking via chat_template_kwargs)"))
+REASONING_PARSERS.add(ReasoningFormat("deepseek_r1", "<think>", "</think>",
+                                      "DeepSeek-R1 and its distills (template opens <think>)"))
+REASONING_PARSERS.add(ReasoningFormat("longcat", "<longcat_think>", "</longcat_think>",
+                                      "LongCat"))
+REASONING_PARSERS.add(ReasoningFormat("think_tokens", "<|think:start|>", "<|think:end|>",
+                                      "models with <|think:*|> tokens"))
+REASONING_PARSERS.add(ReasoningFormat("gemma_channel", "<|channel>thought", "<channel|>",
+                                      "Gemma 4 thought channel"))
 
 
 def reasoning_format(
@@ -52,14 +56,14 @@ def reasoning_format(
         return None
     if name:
         try:
-            return REASONING_FORMATS[name]
+            return REASONING_PARSERS[name]
         except KeyError:
             raise ValueError(
-                f"Unknown reasoning parser '{name}'. Known: {', '.join(REASONING_FORMATS)}, none"
+                f"Unknown reasoning parser '{name}'. Known: {', '.join(REASONING_PARSERS)}, none"
             ) from None
     if detected:
         start, end = detected
-        for fmt in _FORMATS:
+        for fmt in REASONING_PARSERS.values():
             if (fmt.start, fmt.end) == (start, end):
                 return fmt
         return ReasoningFormat("detected", start, end, "detected from the tokenizer")

@@ -15,7 +15,7 @@ from typing import Any
 from mlxd.errors import InvalidRequest
 from mlxd.generation.params import Constraint, ToolChoice, ToolSpec
 from mlxd.generation.schema_limits import check_schema_depth, check_schema_satisfiable
-from mlxd.generation.tools import ToolCallFormat
+from mlxd.generation.tools import BUILTIN_TOOL_PARSERS, ToolCallFormat
 
 # Bound schema size and depth of generated grammars: a hostile schema must not
 # make the grammar compiler run away.
@@ -108,8 +108,6 @@ def tool_call_constraint(tools: list[ToolSpec], choice: ToolChoice, fmt: ToolCal
 
 def forced_tool_format(fmt: ToolCallFormat | None) -> ToolCallFormat:
     """The format to force calls in: the model's own if its body is JSON, else Hermes."""
-    from mlxd.generation.tools import TOOL_CALL_FORMATS
-
     if fmt is not None and fmt.json_body and fmt.start and fmt.end:
         return fmt
-    return TOOL_CALL_FORMATS["hermes"]
+    return BUILTIN_TOOL_PARSERS["hermes"]

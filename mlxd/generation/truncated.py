@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from mlxd.generation.params import ToolSpec
-from mlxd.generation.tools import ParsedCall, ToolParseError, _calls_from_json_value
+from mlxd.generation.tools import ParsedCall, ToolParseError, calls_from_json_value
 
 # Each retry drops one trailing member; a prefix needing more is given up on.
 _MAX_CUTS = 64
@@ -137,7 +137,7 @@ def salvage_calls(body: str, tools: list[ToolSpec]) -> list[ParsedCall]:
             break
         try:
             value, end = decoder.raw_decode(body, pos)
-            complete = _calls_from_json_value(value)
+            complete = calls_from_json_value(value)
         except (json.JSONDecodeError, ToolParseError):
             break
         calls.extend(complete)
