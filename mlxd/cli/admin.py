@@ -67,7 +67,8 @@ def models_table(models: list[dict[str, Any]]) -> Any:
         table.add_column(col, justify="right" if col in ("MEMORY", "LOADS", "IN USE") else "left")
     for m in models:
         name = m["id"] + (f" ({', '.join(m['aliases'])})" if m.get("aliases") else "")
-        table.add_row(name, m.get("kind", "-"), m.get("state", "-"),
+        state = m.get("state", "-") if m.get("servable", True) else "cannot serve"
+        table.add_row(name, m.get("kind", "-"), state,
                       "yes" if m.get("pinned") else "", _bytes(m.get("memory_bytes")),
                       str(m.get("loads", 0)), str(m.get("in_use", 0)),
                       (m.get("last_used") or "-").replace("+00:00", "Z"))

@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mlxd.engines.factory import build_loader
+    from mlxd.engines.registry import EngineRegistry
     from mlxd.models.catalog import CatalogError, build_catalog
     from mlxd.models.registry import RegistryError
     from mlxd.server.app import build_app
@@ -163,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
-    loader = build_loader(config, catalog.policy.budget_bytes, _progress_factory(console))
+    engines = EngineRegistry()
+    loader = build_loader(config, catalog.policy.budget_bytes, _progress_factory(console),
+                          engines)
     if not args.no_preload:
         chat = catalog.aliases.get("default")
         if chat and chat not in catalog.preload:
@@ -181,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
     def on_ready(ctx: Any) -> None:
         ready["ctx"] = ctx
 
-    app = build_app(config, catalog=catalog, loader=loader, on_ready=on_ready)
+    app = build_app(config, catalog=catalog, loader=loader, on_ready=on_ready,
+                    engines=engines)
 
     class Server(GuardedServer):
         async def startup(self, sockets: Any = None) -> None:

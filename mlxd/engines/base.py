@@ -1,15 +1,47 @@
-"""The Engine protocol every model family implements."""
+"""The engine protocols: one lifecycle every engine shares, one call surface per family.
+
+A route leases a model through its family (``manager.acquire(name, CHAT)``)
+and gets a ``ModelLease[TextGenerator]``: the type checker then holds it to
+the family's protocol, never to one engine's attributes. Which engine class
+serves which kind is ``engines/registry.py``'s table.
+
+Nothing here imports MLX or an engine module (the HTTP layer imports this
+file); the value types the protocols name are imported for type checking only.
+The speech families have no engine yet: their protocols and value types say
+what the OpenAI audio endpoints will need of one.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from mlxd.models.spec import (
+    CHAT_KINDS,
+    EMBEDDING_KINDS,
+    RERANK_KINDS,
+    STT_KINDS,
+    TTS_KINDS,
+    Family,
+    ModelKind,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from mlxd.engines.input_processor import PreparedPrompt
+    from mlxd.engines.token_batcher import Encoded
+    from mlxd.generation.events import Event, TokenLogprob
+    from mlxd.generation.params import GenerationRequest
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """A loaded model. ``load``/``close`` run on the model's worker thread."""
+class ModelEngine(Protocol):
+    """A loaded model of any family. ``load`` and ``close`` run on its worker thread.
 
-    kind: str
+    An engine may also define ``persist_state() -> int`` (run before unload, e.g.
+    to save the prefix cache); the residency manager calls it when present.
+    """
 
     def load(self) -> None:
         """Load weights; raise ``ModelLoadError`` with a clear reason on failure."""
@@ -22,3 +54,162 @@ class Engine(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """Facts for ``/v1/models`` (e.g. context length, batching mode)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Live counters for ``/metrics`` (running, waiting, cache hits...)."""
+
+
+# -- text generation (text and vision-language models) -------------------------
+
+class TextGenerator(ModelEngine, Protocol):
+    """Chat and completion models: prepare a request once, then generate from it."""
+
+    async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        """Render, tokenise and check ``request`` off the event loop (a 4xx if it is bad)."""
+
+    def generate(self, prepared: PreparedPrompt, seed_offset: int = 0) -> AsyncIterator[Event]:
+        """Stream the events of one choice; closing the iterator cancels it.
+
+        ``seed_offset`` gives each of ``n`` choices its own seed.
+        """
+
+    def count_tokens(self, prepared: PreparedPrompt) -> int:
+        """Tokens the prepared prompt takes in the context (media placeholders included)."""
+
+    def prompt_text(self, prepared: PreparedPrompt) -> str:
+        """The prompt as text: what ``echo`` returns and what the model reads."""
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Token ids as text (special tokens included)."""
+
+    def limit_max_tokens(self, prepared: PreparedPrompt, max_tokens: int) -> int:
+        """Generate at most ``max_tokens``, cut to the room the context leaves; returns
+        the limit set (less than ``max_tokens`` when the context is the limit)."""
+
+    async def prompt_logprobs(self, prepared: PreparedPrompt,
+                              top: int) -> list[TokenLogprob]:
+        """One entry per prompt token, each with its log-probability given the tokens
+        before it and the ``top`` most likely alternatives; the first has none (None)."""
+
+
+# -- embeddings and reranking ---------------------------------------------------
+
+class Embedder(ModelEngine, Protocol):
+    """Embedding models: tokenise (and check) inputs, then embed them in shared batches."""
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """400 unless the model can return vectors of ``dimensions`` (None: its own)."""
+
+    async def encode(self, inputs: list[str | list[int]]) -> list[Encoded]:
+        """Texts or token-id lists, tokenised and checked against the model's limits."""
+
+    async def embed(self, encoded: list[Encoded], dimensions: int | None = None) -> np.ndarray:
+        """One vector per input (rows of a float32 matrix), cut to ``dimensions``."""
+
+
+class Reranker(ModelEngine, Protocol):
+    """Cross-encoders: score each (query, document) pair."""
+
+    async def encode(self, query: str, documents: list[str]) -> list[Encoded]:
+        """The pairs, tokenised (each ``len()`` is its token count) and checked."""
+
+    async def score(self, encoded: list[Encoded]) -> np.ndarray:
+        """One relevance score in [0, 1] per pair, in input order."""
+
+
+# -- speech to text (/v1/audio/transcriptions, /v1/audio/translations) -----------
+
+@dataclass(frozen=True)
+class TranscriptionRequest:
+    """One uploaded recording to transcribe (or translate into English)."""
+
+    audio: bytes  # the file as uploaded (wav, mp3, flac, m4a, ogg, webm...)
+    filename: str | None = None  # its name: a hint for the container format
+    task: Literal["transcribe", "translate"] = "transcribe"
+    language: str | None = None  # ISO-639-1; None: detect it
+    prompt: str | None = None  # text the recording continues (names, spelling, style)
+    temperature: float = 0.0
+    word_timestamps: bool = False  # ``timestamp_granularities`` includes "word"
+
+
+@dataclass(frozen=True)
+class TranscriptWord:
+    word: str
+    start: float  # seconds from the start of the recording
+    end: float
+
+
+@dataclass(frozen=True)
+class TranscriptSegment:
+    """One stretch of speech, what ``verbose_json``, ``srt`` and ``vtt`` are built from."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: tuple[int, ...] = ()
+    avg_logprob: float | None = None
+    no_speech_prob: float | None = None
+    compression_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class Transcription:
+    text: str
+    language: str | None  # detected or as requested
+    duration: float  # seconds of audio
+    segments: tuple[TranscriptSegment, ...] = ()
+    words: tuple[TranscriptWord, ...] = ()  # only when word timestamps were asked for
+
+
+class Transcriber(ModelEngine, Protocol):
+    """Speech-to-text models. Decoding the upload and its limits are the engine's."""
+
+    async def transcribe(self, request: TranscriptionRequest) -> Transcription:
+        """The whole transcript; the route renders ``response_format`` from it."""
+
+
+# -- text to speech (/v1/audio/speech, /v1/audio/voices) -------------------------
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    text: str
+    voice: str
+    speed: float = 1.0  # OpenAI's range is [0.25, 4.0]
+    instructions: str | None = None  # tone and style, for models that take them
+    language: str | None = None
+
+
+@dataclass(frozen=True)
+class Voice:
+    id: str  # what ``SpeechRequest.voice`` names
+    name: str
+    language: str | None = None
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """Synthesised audio as it is produced; the route encodes ``response_format``."""
+
+    pcm: bytes  # mono, signed 16-bit little-endian samples
+    sample_rate: int
+
+
+class SpeechSynthesizer(ModelEngine, Protocol):
+    """Text-to-speech models."""
+
+    def voices(self) -> list[Voice]:
+        """The voices this model speaks with."""
+
+    def synthesize(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]:
+        """Stream the speech; closing the iterator cancels it."""
+
+
+# -- what each endpoint family leases -------------------------------------------
+
+CHAT: Family[TextGenerator] = Family("chat", CHAT_KINDS)
+COMPLETION: Family[TextGenerator] = Family("completion", frozenset({ModelKind.TEXT}))
+EMBEDDING: Family[Embedder] = Family("embedding", EMBEDDING_KINDS)
+RERANK: Family[Reranker] = Family("rerank", RERANK_KINDS)
+TRANSCRIPTION: Family[Transcriber] = Family("transcription", STT_KINDS)
+SPEECH: Family[SpeechSynthesizer] = Family("speech", TTS_KINDS)

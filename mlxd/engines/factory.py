@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxd.config import ServerConfig
-from mlxd.errors import ModelLoadError
+from mlxd.engines.registry import EngineRegistry
 from mlxd.models.loading import ModelLoader, ProgressFactory, SourceResolver
 from mlxd.models.memory import prefix_cache_bytes
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.runtime.worker import ModelWorker
+
+if TYPE_CHECKING:
+    from mlxd.engines.base import ModelEngine
 
 log = logging.getLogger(__name__)
 
@@ -25,25 +28,19 @@ log = logging.getLogger(__name__)
 class EngineFactory:
     """Engines by kind: ``build(entry, kind, path, worker) -> loaded engine``."""
 
-    def __init__(self, config: ServerConfig, budget_bytes: int) -> None:
+    def __init__(self, config: ServerConfig, budget_bytes: int,
+                 engines: EngineRegistry | None = None) -> None:
         self.config = config
         self.budget_bytes = budget_bytes
+        self.engines = engines or EngineRegistry()
 
-    def create(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
-        if kind == ModelKind.TEXT:
-            from mlxd.engines.text import MLXLanguageModel
-
-            return MLXLanguageModel(entry.name, path, worker, self.text_options(entry))
-        if kind == ModelKind.EMBEDDING:
-            from mlxd.engines.embeddings import EmbeddingEngine
-
-            return EmbeddingEngine(entry.name, path, worker, self.config)
-        if kind == ModelKind.RERANK:
-            from mlxd.engines.rerank import RerankEngine
-
-            return RerankEngine(entry.name, path, worker, self.config)
-        raise ModelLoadError(entry.name, f"serving {kind} models is not available in this build "
-                                         "(text, embedding and rerank are)")
+    def create(self, entry: ModelEntry, kind: ModelKind, path: Path,
+               worker: ModelWorker) -> ModelEngine:
+        """The kind's engine from the registry, constructed (not loaded)."""
+        engine_class = self.engines.engine_class(kind, entry.name)
+        spec = self.engines.specs[kind]
+        options = self.text_options(entry) if spec.options == "text" else self.config
+        return engine_class(entry.name, path, worker, options)
 
     def text_options(self, entry: ModelEntry) -> Any:
         from mlxd.engines.text import TextEngineOptions
@@ -79,8 +76,9 @@ def float_dtype() -> str:
 
 
 def build_loader(config: ServerConfig, budget_bytes: int,
-                 progress: ProgressFactory | None = None) -> ModelLoader:
+                 progress: ProgressFactory | None = None,
+                 engines: EngineRegistry | None = None) -> ModelLoader:
     """The ModelManager's loader: the models layer resolves each source to a local folder
     (with ``progress``), then an ``EngineFactory`` builds and loads the engine from it."""
     return ModelLoader(SourceResolver(config.home, float_dtype, progress),
-                       EngineFactory(config, budget_bytes).build)
+                       EngineFactory(config, budget_bytes, engines).build)

@@ -16,16 +16,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, cast, overload
 
 from mlxd.errors import Conflict, InsufficientStorage, InvalidRequest, ModelNotFound, Overloaded
 from mlxd.models.memory import format_bytes
 from mlxd.models.residency import Loader, ResidencyManager, State
-from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.models.spec import Family, ModelEntry, ModelKind
 
 log = logging.getLogger(__name__)
+
+E = TypeVar("E")
+
+# kind -> why this install cannot serve it (None: it can). The engine registry
+# answers it; the manager only asks, so a refusal comes before any load.
+Servability = Callable[[ModelKind], "str | None"]
 
 
 @dataclass
@@ -37,8 +43,12 @@ class ManagerPolicy:
     reaper_interval_s: float = 1.0
 
 
-class ModelLease:
-    """Holds one model loaded and un-evictable while a request uses it."""
+class ModelLease(Generic[E]):
+    """Holds one model loaded and un-evictable while a request uses it.
+
+    ``E`` is the engine protocol of the family it was leased for
+    (``ModelLease[TextGenerator]``); an admin lease is ``ModelLease[Any]``.
+    """
 
     def __init__(self, manager: ModelManager, residency: ResidencyManager) -> None:
         self._manager = manager
@@ -46,8 +56,10 @@ class ModelLease:
         self._released = False
 
     @property
-    def engine(self) -> Any:
-        return self.residency.engine
+    def engine(self) -> E:
+        # The kind was checked against the family, and the registry maps each kind
+        # to an engine implementing that family's protocol (checked by mypy there).
+        return cast(E, self.residency.engine)
 
     @property
     def name(self) -> str:
@@ -74,9 +86,11 @@ class Registration:
 class ModelManager:
     """Owns every registered model's residency and the shared memory budget."""
 
-    def __init__(self, policy: ManagerPolicy, loader: Loader) -> None:
+    def __init__(self, policy: ManagerPolicy, loader: Loader,
+                 servable: Servability | None = None) -> None:
         self.policy = policy
         self._loader = loader
+        self._servable = servable
         self._models: dict[str, ResidencyManager] = {}
         self._aliases: dict[str, str] = {}
         self._lock = asyncio.Lock()
@@ -157,31 +171,46 @@ class ModelManager:
 
     # -- leases ---------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def lease(self, name: str, kinds: Iterable[ModelKind] | None = None,
-                    endpoint: str = "") -> AsyncIterator[ModelLease]:
+    async def lease(self, name: str, family: Family[E],
+                    endpoint: str = "") -> AsyncIterator[ModelLease[E]]:
         """Hold ``name`` loaded for the duration of the ``async with`` block."""
-        lease = await self.acquire(name, kinds, endpoint)
+        lease = await self.acquire(name, family, endpoint)
         try:
             yield lease
         finally:
             await lease.release()
 
-    def check_kind(self, name: str, kinds: Iterable[ModelKind] | None, endpoint: str = "") -> None:
-        """Refuse a model of the wrong kind before anything is loaded (400)."""
-        if kinds is None:
-            return
-        allowed = set(kinds)
+    def check_kind(self, name: str, family: Family[Any] | None, endpoint: str = "") -> None:
+        """Refuse, before anything is loaded (400), a model of a kind the endpoint does not
+        serve (``family``; None: any kind), or one this install cannot serve."""
         res = self.get(name)
-        if res.kind not in allowed:
+        if family is not None and res.kind not in family.kinds:
             where = f" {endpoint}" if endpoint else " this endpoint"
             raise InvalidRequest(
                 f"Model '{res.name}' is a {res.kind} model;{where} serves "
-                f"{' / '.join(sorted(str(k) for k in allowed))} models.",
+                f"{' / '.join(sorted(str(k) for k in family.kinds))} models.",
                 param="model", code="wrong_model_kind")
+        refusal = self.unservable(res.kind)
+        if refusal is not None:
+            raise InvalidRequest(f"Model '{res.name}' is of kind {res.kind}, which this server "
+                                 f"cannot serve: {refusal}", param="model",
+                                 code="model_kind_unavailable")
 
-    async def acquire(self, name: str, kinds: Iterable[ModelKind] | None = None,
-                      endpoint: str = "") -> ModelLease:
-        self.check_kind(name, kinds, endpoint)
+    def unservable(self, kind: ModelKind) -> str | None:
+        """Why this install cannot serve ``kind`` models (None: it can)."""
+        return self._servable(kind) if self._servable is not None else None
+
+    @overload
+    async def acquire(self, name: str) -> ModelLease[Any]: ...
+
+    @overload
+    async def acquire(self, name: str, family: Family[E], endpoint: str = "") -> ModelLease[E]: ...
+
+    async def acquire(self, name: str, family: Family[Any] | None = None,
+                      endpoint: str = "") -> ModelLease[Any]:
+        """Lease ``name`` for ``family`` (None: any kind, for admin loads), loading it if
+        needed; every refusal that needs no load comes first."""
+        self.check_kind(name, family, endpoint)
         deadline = time.monotonic() + self.policy.wait_timeout_s
         while True:
             if self._closing:
@@ -191,7 +220,7 @@ class ModelManager:
                 # waited for the lock is never leased (nor loaded) again. Nor
                 # is one being drained: a lease taken now would hold the drain
                 # up until this request gave up waiting for it.
-                self.check_kind(name, kinds, endpoint)
+                self.check_kind(name, family, endpoint)
                 res = self.get(name)
                 if not res.retired and not res.draining:
                     res.leases += 1

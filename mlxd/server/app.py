@@ -18,6 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from mlxd import __version__
 from mlxd.config import ServerConfig
+from mlxd.engines.registry import EngineRegistry
 from mlxd.models.catalog import Catalog, build_catalog
 from mlxd.models.manager import ModelManager
 from mlxd.models.qualification import check_qualified
@@ -43,8 +44,13 @@ ReadyHook = Callable[[ServerContext], None]
 
 
 def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: Any = None,
-              on_ready: ReadyHook | None = None) -> FastAPI:
-    """Build the app; models are registered at startup and loaded on demand."""
+              on_ready: ReadyHook | None = None,
+              engines: EngineRegistry | None = None) -> FastAPI:
+    """Build the app; models are registered at startup and loaded on demand.
+
+    ``engines`` says which kinds this install serves (default: probe the extras).
+    """
+    engine_registry = engines or EngineRegistry()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,10 +60,11 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
         if loader is None:
             from mlxd.engines.factory import build_loader
 
-            model_loader: Any = build_loader(config, cat.policy.budget_bytes)
+            model_loader: Any = build_loader(config, cat.policy.budget_bytes,
+                                             engines=engine_registry)
         else:
             model_loader = loader
-        manager = ModelManager(cat.policy, model_loader)
+        manager = ModelManager(cat.policy, model_loader, servable=engine_registry.refusal)
         for reg in cat.registrations:
             manager.register(reg)
         for alias, name in cat.aliases.items():

@@ -9,16 +9,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from mlxd.engines.base import CHAT, TextGenerator
 from mlxd.errors import InvalidRequest
 from mlxd.generation.events import Event, Finish, Usage
 from mlxd.generation.params import GenerationRequest, SamplingParams
 from mlxd.models.manager import ModelLease
-from mlxd.models.spec import CHAT_KINDS, ModelKind, ServingDefaults
+from mlxd.models.spec import Family, ServingDefaults
 from mlxd.server.context import ServerContext
+
+if TYPE_CHECKING:
+    from mlxd.engines.base import PreparedPrompt
 
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers (MLX's PRNG key)
 
@@ -97,9 +101,14 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 class TextSession:
-    """A leased text model with one prepared request; close it when done."""
+    """A leased text model with one prepared request; close it when done.
 
-    def __init__(self, lease: ModelLease, prepared: Any, n: int) -> None:
+    The prepared prompt is the engine's: adapters ask the engine about it
+    (``prompt_tokens``, ``engine.prompt_text``), never read it.
+    """
+
+    def __init__(self, lease: ModelLease[TextGenerator], prepared: PreparedPrompt,
+                 n: int) -> None:
         self.lease = lease
         self.prepared = prepared
         self.n = n
@@ -109,15 +118,20 @@ class TextSession:
         return self.lease.name
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> TextGenerator:
         return self.lease.engine
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens the prompt takes in the context (what usage reports)."""
+        return self.engine.count_tokens(self.prepared)
 
     @classmethod
     async def open(cls, ctx: ServerContext, model: str, request: GenerationRequest, *, n: int = 1,
-                   endpoint: str, kinds: Iterable[ModelKind] = CHAT_KINDS) -> TextSession:
+                   endpoint: str, family: Family[TextGenerator] = CHAT) -> TextSession:
         if n > ctx.config.max_n:
             raise InvalidRequest(f"n must be at most {ctx.config.max_n}", param="n")
-        lease = await ctx.manager.acquire(model, kinds, endpoint)
+        lease = await ctx.manager.acquire(model, family, endpoint)
         try:
             prepared = await lease.engine.prepare(request)
         except BaseException:
@@ -147,11 +161,11 @@ class TextSession:
         try:
             done = 0
             while done < self.n:
-                index, ev = await queue.get()
-                if ev is None:
+                index, item = await queue.get()
+                if item is None:
                     done += 1
                     continue
-                yield index, ev
+                yield index, item
             for t in tasks:
                 if t.done() and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]

@@ -136,14 +136,7 @@ def clamp_max_tokens(session: TextSession, max_tokens: int) -> bool:
 
     Returns True when the context, not ``max_tokens``, is the limit.
     """
-    prepared = session.prepared
-    context = getattr(session.engine, "context_length", None)
-    if not context:
-        prepared.max_tokens = max_tokens
-        return False
-    room = context - len(prepared.tokens)
-    prepared.max_tokens = min(max_tokens, room)
-    return max_tokens > room
+    return session.engine.limit_max_tokens(session.prepared, max_tokens) < max_tokens
 
 
 def _message(mid: str, model: str, content: list[dict[str, Any]], reason: str | None,
@@ -159,7 +152,7 @@ def _new_id() -> str:
 
 async def _nothing(session: TextSession) -> AsyncIterator[tuple[int, Event]]:
     """``max_tokens: 0``: the prompt was checked and counted; nothing is generated."""
-    yield 0, Finish("length", Usage(len(session.prepared.tokens), 0))
+    yield 0, Finish("length", Usage(session.prompt_tokens, 0))
 
 
 def _events(session: TextSession, max_tokens: int) -> AsyncIterator[tuple[int, Event]]:
@@ -189,7 +182,7 @@ async def _respond(session: TextSession, request: Request, req: MessagesRequest,
 async def _stream(session: TextSession, req: MessagesRequest,
                   clamped: bool) -> AsyncIterator[str]:
     """message_start, ping, content blocks, message_delta, message_stop."""
-    prompt = Usage(len(session.prepared.tokens), 0)
+    prompt = Usage(session.prompt_tokens, 0)
     try:
         yield sse_event("message_start", {"type": "message_start", "message": _message(
             _new_id(), req.model, [], None, None, usage_anthropic(prompt))})
@@ -236,6 +229,6 @@ async def count_tokens(req: CountTokensRequest,
     gen = generation_request(req, ctx.manager.get(req.model).entry.defaults)
     session = await TextSession.open(ctx, req.model, gen, endpoint=COUNT_ENDPOINT)
     try:
-        return {"input_tokens": len(session.prepared.tokens)}
+        return {"input_tokens": session.prompt_tokens}
     finally:
         await session.close()

@@ -11,10 +11,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from mlxd.engines.base import COMPLETION
 from mlxd.errors import InvalidRequest
 from mlxd.generation.events import Finish, TextDelta, TokenLogprob
 from mlxd.generation.params import GenerationRequest
-from mlxd.models.spec import ModelKind
 from mlxd.protocol.openai import CompletionRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
@@ -33,7 +33,6 @@ from mlxd.server.text_session import (
 
 router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINT = "/v1/completions"
-COMPLETION_KINDS = (ModelKind.TEXT,)
 
 
 def prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -84,13 +83,9 @@ def legacy_logprobs(entries: list[TokenLogprob | None], offset: int) -> dict[str
             "text_offset": offsets}
 
 
-async def _echo_logprobs(session: TextSession, top: int) -> list[Any]:
+async def _echo_logprobs(session: TextSession, top: int) -> list[TokenLogprob]:
     """Prompt-token logprobs for ``echo`` (the first token has none)."""
-    entries = await session.engine.prompt_logprobs(session.prepared.tokens, top)
-    first = session.prepared.tokens[0]
-    text = session.engine.tokenizer.decode([first])
-    entries[0] = TokenLogprob(first, text, None, list(text.encode()), [])  # type: ignore[arg-type]
-    return entries
+    return await session.engine.prompt_logprobs(session.prepared, top)
 
 
 async def _open_all(ctx: ServerContext, req: CompletionRequest) -> list[TextSession]:
@@ -101,7 +96,7 @@ async def _open_all(ctx: ServerContext, req: CompletionRequest) -> list[TextSess
         for prompt in prompts_of(req.prompt):
             gen = generation_request(ctx, req, prompt)
             sessions.append(await TextSession.open(ctx, req.model, gen, n=req.n,
-                                                   endpoint=ENDPOINT, kinds=COMPLETION_KINDS))
+                                                   endpoint=ENDPOINT, family=COMPLETION))
     except BaseException:
         for s in sessions:
             await s.close()
@@ -115,8 +110,8 @@ async def _respond(sessions: list[TextSession], request: Request,
     try:
         results = await asyncio.gather(*(s.collect(request) for s in sessions))
         for p, (session, per_choice) in enumerate(zip(sessions, results)):
-            echo_text = session.prepared.prompt_text if req.echo else ""
-            echo_lps: list[Any] = []
+            echo_text = session.engine.prompt_text(session.prepared) if req.echo else ""
+            echo_lps: list[TokenLogprob] = []
             if req.echo and req.logprobs is not None:
                 echo_lps = await _echo_logprobs(session, req.logprobs)
             for i, events in sorted(per_choice.items()):
@@ -135,7 +130,7 @@ async def _respond(sessions: list[TextSession], request: Request,
     finally:
         for s in sessions:
             await s.close()
-    prompt_tokens = sum(s.prepared and len(s.prepared.tokens) for s in sessions)
+    prompt_tokens = sum(s.prompt_tokens for s in sessions)
     usage = usage_openai(merge_usage(usages))
     usage["prompt_tokens"] = prompt_tokens
     usage["total_tokens"] = prompt_tokens + usage["completion_tokens"]
@@ -159,7 +154,7 @@ async def _stream(sessions: list[TextSession], req: CompletionRequest) -> AsyncI
         for p, session in enumerate(sessions):
             if req.echo:
                 for i in range(session.n):
-                    yield chunk(p * req.n + i, session.prepared.prompt_text)
+                    yield chunk(p * req.n + i, session.engine.prompt_text(session.prepared))
             async for i, ev in session.events():
                 index = p * req.n + i
                 if isinstance(ev, TextDelta):
@@ -177,7 +172,7 @@ async def _stream(sessions: list[TextSession], req: CompletionRequest) -> AsyncI
                     yield chunk(index, "", finish_reason(ev))
         if include_usage:
             usage = usage_openai(merge_usage(usages))
-            usage["prompt_tokens"] = sum(len(s.prepared.tokens) for s in sessions)
+            usage["prompt_tokens"] = sum(s.prompt_tokens for s in sessions)
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             yield sse_data({"id": cid, "object": "text_completion", "created": created,
                             "model": req.model, "choices": [], "usage": usage})
@@ -190,7 +185,7 @@ async def _stream(sessions: list[TextSession], req: CompletionRequest) -> AsyncI
 @router.post(ENDPOINT)
 async def completions(req: CompletionRequest, request: Request,
                       ctx: ServerContext = Depends(get_ctx)) -> Any:
-    ctx.manager.check_kind(req.model, COMPLETION_KINDS, ENDPOINT)
+    ctx.manager.check_kind(req.model, COMPLETION, ENDPOINT)
     sessions = await _open_all(ctx, req)
     if req.stream:
         return StreamingResponse(_stream(sessions, req), media_type="text/event-stream",

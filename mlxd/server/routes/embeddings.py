@@ -13,8 +13,8 @@ import numpy as np
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
+from mlxd.engines.base import EMBEDDING
 from mlxd.errors import InvalidRequest
-from mlxd.models.spec import EMBEDDING_KINDS
 from mlxd.protocol.embeddings import EmbeddingRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
@@ -74,9 +74,9 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str
 async def create_embeddings(req: EmbeddingRequest,
                             ctx: ServerContext = Depends(get_ctx)) -> JSONResponse:
     """Embed ``input`` with an embedding model (OpenAI response shape)."""
-    ctx.manager.check_kind(req.model, EMBEDDING_KINDS, ENDPOINT)
+    ctx.manager.check_kind(req.model, EMBEDDING, ENDPOINT)
     inputs = embedding_inputs(req.input, ctx.config.max_embedding_inputs)
-    async with ctx.manager.lease(req.model, EMBEDDING_KINDS, ENDPOINT) as lease:
+    async with ctx.manager.lease(req.model, EMBEDDING, ENDPOINT) as lease:
         engine = lease.engine
         engine.check_dimensions(req.dimensions)
         encoded = await engine.encode(inputs)

@@ -10,12 +10,13 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from mlxd.engines.base import ModelEngine
 from mlxd.errors import Conflict, InvalidRequest
 from mlxd.models.catalog import CatalogError, registration_for
 from mlxd.models.manager import Registration
 from mlxd.models.qualification import qualification_problem
 from mlxd.models.residency import ResidencyManager, State
-from mlxd.models.spec import ModelEntry
+from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 
@@ -44,13 +45,17 @@ def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
         "loads": res.loads, "last_used": _iso(res.last_used), "in_use": res.leases,
         "aliases": aliases, "source": res.entry.source,
     }
+    refusal = ctx.manager.unservable(res.kind)
+    card["servable"] = refusal is None
+    if refusal is not None:
+        card["unservable_reason"] = refusal
     fault = res.health()
     card["health"] = "failing" if fault or res.state == State.FAILED else "ok"
     if res.state == State.FAILED:
         card["error"] = res.last_error
     elif fault:
         card["error"] = fault
-    engine = res.engine
+    engine: ModelEngine | None = res.engine
     if engine is not None and res.state == State.LOADED:
         try:
             card["measured_bytes"] = int(engine.memory_bytes())
@@ -64,7 +69,9 @@ def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(ctx, r) for r in ctx.manager.residencies()]}
+    """Every registered model, and the kinds this install can serve (``servable_kinds``)."""
+    return {"object": "list", "data": [model_card(ctx, r) for r in ctx.manager.residencies()],
+            "servable_kinds": [str(k) for k in ModelKind if ctx.manager.unservable(k) is None]}
 
 
 @router.get("/v1/models/{name:path}")

@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from mlxd.engines.base import RERANK
 from mlxd.errors import InvalidRequest
-from mlxd.models.spec import RERANK_KINDS
 from mlxd.protocol.rerank import RerankRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
@@ -52,9 +52,9 @@ def ranked_results(scores: list[float], texts: list[str], top_n: int | None,
 
 async def _rerank(req: RerankRequest, request: Request, ctx: ServerContext) -> JSONResponse:
     endpoint = request.url.path
-    ctx.manager.check_kind(req.model, RERANK_KINDS, endpoint)
+    ctx.manager.check_kind(req.model, RERANK, endpoint)
     texts = document_texts(req, ctx.config.max_rerank_documents)
-    async with ctx.manager.lease(req.model, RERANK_KINDS, endpoint) as lease:
+    async with ctx.manager.lease(req.model, RERANK, endpoint) as lease:
         engine = lease.engine
         encoded = await engine.encode(req.query, texts)
         tokens = sum(len(e) for e in encoded)
