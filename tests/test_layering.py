@@ -18,18 +18,82 @@ def test_http_layer_does_not_import_mlx() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+# Layers, highest first: a module imports only from its own layer or from a lower
+# rank (CONTRIBUTING.md, "Layers"). Layers of one rank are peers and never import
+# each other (server/ and workflow/; generation/ and models/; sources/, runtime/
+# and benchmark/).
+LAYERS: dict[str, int] = {
+    "__main__": 8,
+    "cli": 7,
+    "qualify": 6,     # starts a server: above server/
+    "server": 5, "workflow": 5,
+    "protocol": 4,
+    "engines": 3,     # the only layer importing mlx*
+    "generation": 2, "models": 2,
+    "sources": 1, "runtime": 1, "benchmark": 1,
+    "mlxd": 0, "config": 0, "errors": 0, "jsonfile": 0, "blas": 0,  # foundation
+}
+_IMPORT_FUNCS = ("import_module", "__import__")
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _string_target(node: ast.expr) -> str | None:
+    """The constant part of an import_module / __import__ argument ("mlx_lm.x" or the
+    leading text of f"mlx_lm.tool_parsers.{name}")."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr) and node.values:
+        head = node.values[0]
+        if isinstance(head, ast.Constant) and isinstance(head.value, str):
+            return head.value.rstrip(".") or None
+    return None
+
+
+def _imports_of_source(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Absolute names of every module ``source`` imports: ``import``, ``from ... import``
+    (relative ones resolved against ``module``), function-level and TYPE_CHECKING
+    imports included, plus the string targets of ``importlib.import_module`` and
+    ``__import__``."""
+    package = module if is_package else module.rpartition(".")[0]
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                names.add(".".join(base + ([node.module] if node.module else [])))
+            elif node.module:
+                names.add(node.module)
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            target = _string_target(node.args[0]) if called in _IMPORT_FUNCS else None
+            if target:
+                names.add(target)
     return names
 
 
+def _imports(path: Path) -> set[str]:
+    return _imports_of_source(path.read_text(), _module_of(path), path.name == "__init__.py")
+
+
+def _layer(module: str) -> str | None:
+    """``mlxd.models.catalog`` -> ``models``; None for modules outside mlxd."""
+    parts = module.split(".")
+    if parts[0] != "mlxd":
+        return None
+    return parts[1] if len(parts) > 1 else "mlxd"
+
+
 def test_only_engines_import_mlx_libraries() -> None:
+    """Static imports and importlib string targets alike (generation/ loads no mlx_lm
+    parser module by name)."""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE).as_posix()
@@ -44,7 +108,7 @@ def test_only_engines_import_mlx_libraries() -> None:
 
 def test_engines_and_generation_do_not_import_fastapi() -> None:
     offenders = []
-    for folder in ("engines", "generation", "models"):
+    for folder in ("engines", "generation", "models", "sources", "runtime"):
         for path in (PACKAGE / folder).rglob("*.py"):
             for name in _imports(path):
                 if name.split(".")[0] in ("fastapi", "starlette", "uvicorn"):
@@ -74,3 +138,65 @@ def test_the_http_layer_knows_engines_only_by_their_protocols() -> None:
         offenders += [f"{rel}: {n}" for n in _imports(path)
                       if n.startswith("mlxd.engines") and n not in allowed]
     assert offenders == []
+
+
+def test_import_scanner_sees_importlib_relative_and_lazy_imports() -> None:
+    source = """
+import importlib
+from typing import TYPE_CHECKING
+from ..engines import text
+from . import spec
+if TYPE_CHECKING:
+    from mlxd.server.app import build_app
+def f(name):
+    import mlx.core
+    importlib.import_module("mlx_lm.tool_parsers")
+    importlib.import_module(f"mlx_vlm.models.{name}")
+    __import__("mlx_embeddings")
+    importlib.import_module(name)  # not a constant: nothing to check
+"""
+    found = _imports_of_source(source, "mlxd.models.catalog")
+    assert {"mlxd.engines", "mlxd.models", "mlxd.server.app", "mlx.core",
+            "mlx_lm.tool_parsers", "mlx_vlm.models", "mlx_embeddings"} <= found
+    assert "mlxd.engines" in _imports_of_source("from ..engines import x", "mlxd.models.catalog")
+    assert "mlxd.models.spec" in _imports_of_source("from .spec import x", "mlxd.models",
+                                                    is_package=True)
+
+
+def test_every_package_has_a_layer() -> None:
+    tops = {p.stem for p in PACKAGE.iterdir()
+            if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert tops - set(LAYERS) == set(), "place the new package in LAYERS (and CONTRIBUTING.md)"
+
+
+def test_imports_point_down_the_layers() -> None:
+    """cli > qualify > server | workflow > protocol > engines > generation | models >
+    sources | runtime | benchmark > foundation (config, errors, jsonfile, blas)."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        own = _layer(_module_of(path))
+        assert own is not None
+        for name in _imports(path):
+            layer = _layer(name)
+            if layer is None or layer == own:
+                continue
+            if LAYERS[layer] >= LAYERS[own]:
+                offenders.append(f"{path.relative_to(PACKAGE)} ({own}) imports {name} ({layer})")
+    assert sorted(offenders) == []
+
+
+def test_named_arrows_stay_removed() -> None:
+    """The upward arrows issue 10 removed, each by name (the rank test covers them too)."""
+    def imports_of(folder: str) -> set[str]:
+        return {n for p in (PACKAGE / folder).rglob("*.py") for n in _imports(p)}
+
+    assert not {n for n in imports_of("models") if n.startswith(("mlxd.workflow",
+                                                                 "mlxd.engines"))}
+    assert not {n for n in imports_of("workflow") if n.startswith("mlxd.server")}
+    assert not {n for n in imports_of("sources") if n.startswith(("mlxd.models", "mlxd.engines",
+                                                                  "mlxd.workflow"))}
+    assert not {n for n in imports_of("generation") if n == "mlx" or n.startswith(("mlx.", "mlx_"))}
+    # cli/model.py (the parser) calls into cli/model_actions.py, never the reverse
+    assert "mlxd.cli.model" not in _imports(PACKAGE / "cli" / "model_actions.py")
+    assert "mlxd.cli.model" not in _imports(PACKAGE / "cli" / "model_common.py")
+
