@@ -302,7 +302,7 @@ def test_server_store_is_bounded_by_response_store_max(client: OpenAI,
                                                        loader: ScriptedLoader) -> None:
     loader.reply = "x"
     ids = [client.responses.create(model=MODEL, input="hi").id for _ in range(52)]
-    store = agent[0].ctx.extras["response_store"]
+    store = agent[0].ctx.response_store
     assert len(store) == 50 and ids[0] not in store and ids[-1] in store
 
 

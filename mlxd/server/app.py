@@ -26,6 +26,7 @@ from mlxd.server.context import ServerContext
 from mlxd.server.errors import install_error_handlers
 from mlxd.server.middleware import AuthMiddleware, BodyLimitMiddleware
 from mlxd.server.openapi import install_openapi
+from mlxd.server.response_store import ResponseStore
 from mlxd.server.routes import (
     anthropic,
     chat,
@@ -69,8 +70,10 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
             manager.register(reg)
         for alias, name in cat.aliases.items():
             manager.alias(alias, name)
-        ctx = ServerContext(config=config, manager=manager, registry=cat.registry,
-                            hasher=cat.hasher)
+        ctx = ServerContext(
+            config=config, manager=manager, registry=cat.registry, hasher=cat.hasher,
+            response_store=ResponseStore(config.response_store_max, config.response_store_bytes),
+            metrics=metrics.metrics_registry(manager))
         app.state.ctx = ctx
         await manager.start()
         try:

@@ -4,23 +4,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
+from prometheus_client import CollectorRegistry
 
 from mlxd.config import ServerConfig
 from mlxd.models.manager import ModelManager
 from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryFile
+from mlxd.server.response_store import ResponseStore
 
 
 @dataclass
 class ServerContext:
+    """Everything a route may use, built once per app by ``build_app``'s startup."""
+
     config: ServerConfig
     manager: ModelManager
+    response_store: ResponseStore  # previous_response_id / GET /v1/responses/{id}
+    metrics: CollectorRegistry  # what GET /metrics exports
     registry: RegistryFile | None = None
     started_at: float = field(default_factory=time.time)
-    extras: dict[str, Any] = field(default_factory=dict)
     hasher: FileHasher = field(default_factory=FileHasher)  # --require-qualified re-hashing
 
 

@@ -1,8 +1,9 @@
 """Stored responses for ``previous_response_id`` and ``GET /v1/responses/{id}``.
 
 Bounded by count and by bytes (the UTF-8 size of its JSON); the least
-recently used response goes first. One store per app, kept on the
-``ServerContext``; it is only touched from the event loop, so it needs no lock.
+recently used response goes first. One store per app, ``ServerContext.response_store``
+(sized by ``response_store_max`` / ``_bytes``); it is only touched from the
+event loop, so it needs no lock.
 """
 
 from __future__ import annotations
@@ -11,10 +12,6 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
-
-from mlxd.server.context import ServerContext
-
-_EXTRAS_KEY = "response_store"
 
 
 @dataclass(frozen=True)
@@ -73,11 +70,3 @@ class ResponseStore:
         self.nbytes -= item.nbytes
         return True
 
-
-def response_store(ctx: ServerContext) -> ResponseStore:
-    """The app's store, created on first use from ``response_store_max`` / ``_bytes``."""
-    store = ctx.extras.get(_EXTRAS_KEY)
-    if store is None:
-        store = ResponseStore(ctx.config.response_store_max, ctx.config.response_store_bytes)
-        ctx.extras[_EXTRAS_KEY] = store
-    return store

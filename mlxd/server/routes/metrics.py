@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from mlxd.models.manager import ModelManager
 from mlxd.models.residency import State
 from mlxd.server.context import ServerContext, get_ctx
 
@@ -19,11 +20,11 @@ router = APIRouter()
 class ManagerCollector:
     """Reads models, memory and scheduler state when Prometheus scrapes."""
 
-    def __init__(self, ctx: ServerContext) -> None:
-        self.ctx = ctx
+    def __init__(self, manager: ModelManager) -> None:
+        self.manager = manager
 
     def collect(self) -> Iterator[Any]:
-        manager = self.ctx.manager
+        manager = self.manager
         yield GaugeMetricFamily("mlxd_memory_budget_bytes", "Configured memory budget",
                                 value=manager.policy.budget_bytes)
         yield GaugeMetricFamily("mlxd_memory_used_bytes", "Bytes held against the budget",
@@ -71,15 +72,13 @@ def _engine_stats(res: Any) -> dict[str, Any]:
         return {}
 
 
-def _registry(ctx: ServerContext) -> CollectorRegistry:
-    registry = ctx.extras.get("metrics_registry")
-    if registry is None:
-        registry = CollectorRegistry()
-        registry.register(ManagerCollector(ctx))  # type: ignore[arg-type]
-        ctx.extras["metrics_registry"] = registry
+def metrics_registry(manager: ModelManager) -> CollectorRegistry:
+    """One app's Prometheus registry: its own, so apps in one process never share metrics."""
+    registry = CollectorRegistry()
+    registry.register(ManagerCollector(manager))  # type: ignore[arg-type]
     return registry
 
 
 @router.get("/metrics")
 async def metrics(ctx: ServerContext = Depends(get_ctx)) -> Response:
-    return Response(generate_latest(_registry(ctx)), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(ctx.metrics), media_type=CONTENT_TYPE_LATEST)

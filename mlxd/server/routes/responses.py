@@ -20,7 +20,7 @@ from mlxd.generation.events import Finish
 from mlxd.protocol.responses import ResponsesRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
-from mlxd.server.response_store import ResponseStore, response_store
+from mlxd.server.response_store import ResponseStore
 from mlxd.server.responses_input import conversation, generation_request
 from mlxd.server.responses_output import ResponseRun
 from mlxd.server.sse import SSE_HEADERS, sse_event
@@ -91,7 +91,7 @@ async def _stream(session: TextSession, run: ResponseRun, store: ResponseStore,
 async def create_response(req: ResponsesRequest, request: Request,
                           ctx: ServerContext = Depends(get_ctx)) -> Any:
     """Create a model response (streaming with ``stream: true``)."""
-    store = response_store(ctx)
+    store = ctx.response_store
     messages = conversation(req, _history(store, req.previous_response_id))
     gen = generation_request(req, ctx.manager.get(req.model).entry.defaults, messages)
     session = await TextSession.open(ctx, req.model, gen, endpoint=ENDPOINT)
@@ -109,7 +109,7 @@ def _not_found(response_id: str) -> NotFound:
 @router.get(ENDPOINT + "/{response_id}")
 async def get_response(response_id: str, ctx: ServerContext = Depends(get_ctx)) -> Any:
     """A stored response, as it was returned."""
-    stored = response_store(ctx).get(response_id)
+    stored = ctx.response_store.get(response_id)
     if stored is None:
         raise _not_found(response_id)
     return stored.response
@@ -119,6 +119,6 @@ async def get_response(response_id: str, ctx: ServerContext = Depends(get_ctx)) 
 async def delete_response(response_id: str,
                           ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     """Forget a stored response; it can no longer be a ``previous_response_id``."""
-    if not response_store(ctx).delete(response_id):
+    if not ctx.response_store.delete(response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
