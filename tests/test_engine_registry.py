@@ -5,6 +5,9 @@ load; ``/v1/models`` says which kinds this install serves."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,7 @@ from mlxd.engines.registry import ENGINES, EXTRA_MODULES, EngineRegistry
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.models.starter import STARTER_EMBEDDING
 from tests.helpers.retrieval import assert_openai_error, registry_config
-from tests.helpers.server import RunningServer, running_server
+from tests.helpers.server import RunningServer, free_port, running_server
 
 HI = [{"role": "user", "content": "hi"}]
 QWEN2_VL = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
@@ -141,3 +144,21 @@ def test_the_real_install_serves_every_family_it_has_an_engine_for(
         body = http.get("/v1/models").json()
     assert body["servable_kinds"] == ["text", "embedding", "rerank"]
     assert all(card["servable"] for card in body["data"])
+
+
+def test_serve_refuses_to_preload_a_kind_it_cannot_serve_before_downloading(
+        tmp_path: Path) -> None:
+    """``mlxd serve`` names the kind and the extra and exits, instead of fetching weights
+    (offline here: a download attempt would fail with "cannot download") it cannot use."""
+    registry = tmp_path / "models.yaml"
+    registry.write_text("models:\n- name: vl\n  source: some-org/some-vl\n  kind: vision\n"
+                        "  preload: true\n")
+    env = {**os.environ, "MLXD_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "mlxd", "serve", "--models-config", str(registry),
+                        "--port", str(free_port())], env=env, capture_output=True, text=True,
+                       timeout=120)
+    out = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode == 2, out
+    assert "'vl' is of kind vision" in out and "'vision' extra" in out
+    assert "cannot download" not in out
+

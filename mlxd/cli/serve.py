@@ -173,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
             catalog.preload.append(chat)
         for reg in catalog.registrations:
             if reg.entry.name in catalog.preload:
+                refusal = engines.refusal(reg.kind)
+                if refusal is not None:  # before a download this install could not use
+                    console.print(f"[red]error:[/red] model '{reg.entry.name}' is of kind "
+                                  f"{reg.kind}, which this server cannot serve: {refusal}")
+                    return 2
                 console.print(f"preparing {reg.entry.name} ...")
                 try:
                     loader.resolve(reg.entry)  # download / convert before serving
