@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from mlxd.jsonfile import fsync_dir
+
 
 class OutputExists(ValueError):
     """The output path exists and replacing it was not asked for."""
@@ -74,11 +76,7 @@ def publish(staging: Path, out: Path) -> None:
         old = scratch_path(out, "old")
         os.replace(out, old)
     os.replace(staging, out)
-    dir_fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(out.parent)
     if old is not None:
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
