@@ -12,9 +12,9 @@ PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint format bench clean openblas
+.PHONY: setup serve test lint format bench clean openblas chromium
 
-setup: $(VENV)/.mlxd-installed openblas
+setup: $(VENV)/.mlxd-installed openblas chromium
 
 $(VENV)/.mlxd-installed: pyproject.toml requirements/starter-models.txt requirements/test-reference.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,20 @@ openblas:
 	     || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1)) \
 	    || echo "note: could not install libopenblas0-pthread; float32 on CPU stays 2-3x slower"; \
 	  else echo "note: float32 on CPU is 2-3x faster with: sudo apt-get install libopenblas0-pthread"; fi; \
+	fi
+
+# The playground's browser test (tests/test_playground.py) drives Debian's headless Chromium
+# with chromium-driver; it skips without them. Best effort like openblas: only as root with
+# apt-get; never fails. CHROMIUM=skip skips.
+CHROMIUM ?= install
+chromium:
+	@if [ "$(CHROMIUM)" = install ] && [ "$$(uname)" = Linux ] \
+	  && ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+	     || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1)) \
+	    || echo "note: could not install chromium + chromium-driver; the playground's browser test will skip"; \
+	  else echo "note: the playground's browser test needs: sudo apt-get install chromium chromium-driver"; fi; \
 	fi
 
 bench: setup

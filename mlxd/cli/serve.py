@@ -12,7 +12,13 @@ from typing import Any
 
 from mlxd.config import ServerConfig
 
-# flag -> (ServerConfig field, argparse kwargs)
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+# flag -> (ServerConfig field, argparse kwargs); every ServerConfig field has a flag
+# (tests/test_serve_flags.py walks the fields)
 FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--host", "host", {"help": "bind address (default 127.0.0.1)"}),
     ("--port", "port", {"type": int, "help": "port (default 8000)"}),
@@ -20,6 +26,24 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--models-config", "models_config", {"help": "registry YAML file (many models)"}),
     ("--max-tokens", "max_tokens", {"type": int, "help": "default max_tokens (default 512)"}),
     ("--log-level", "log_level", {"choices": ["debug", "info", "warning", "error"]}),
+    ("--log-format", "log_format", {"choices": ["text", "json"],
+                                    "help": "text (default) or json: one JSON object per line, "
+                                            "one per request with its id, route, model, "
+                                            "status, tokens and timings"}),
+    ("--log-repeat-interval", "log_repeat_interval", {
+        "type": float, "help": "repeated connection errors are logged once per this many "
+                               "seconds, with a count (default 10)"}),
+    ("--cors-origins", "cors_origins", {"type": _csv,
+                                        "help": "comma-separated origins allowed to call the "
+                                                "API from a browser (default none)"}),
+    ("--max-n", "max_n", {"type": int, "help": "most choices (n) per request (default 8)"}),
+    ("--kv-reserve-tokens", "kv_reserve_tokens", {
+        "type": int, "help": "tokens of KV cache reserved in a text model's memory estimate "
+                             "(default 32768)"}),
+    ("--response-store-max", "response_store_max", {
+        "type": int, "help": "Responses API: stored responses kept (default 1000)"}),
+    ("--response-store-bytes", "response_store_bytes", {
+        "type": int, "help": "Responses API: bytes of stored responses kept (default 64 MiB)"}),
     ("--api-key", "api_key", {"help": "require this key (Bearer or x-api-key)"}),
     ("--admin-api-key", "admin_api_key", {"help": "key for load/unload/register routes"}),
     ("--memory-budget", "memory_budget", {"help": "bytes, '8GB' or '70%%' of RAM (default 75%%)"}),
@@ -45,6 +69,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                             "help": "seconds to send a request head (default 20)"}),
     ("--body-timeout", "body_timeout", {"type": float,
                                         "help": "seconds a request body may stall (default 60)"}),
+    ("--drain-timeout", "drain_timeout", {"type": float,
+                                          "help": "on SIGTERM, seconds in-flight requests "
+                                                  "and streams may take to finish (default 5)"}),
     ("--max-connections", "max_connections", {"type": int,
                                               "help": "open connections at most (default "
                                                       "min(1024, open-file limit - reserve))"}),
@@ -64,6 +91,8 @@ SWITCHES = (
     ("--require-qualified", "require_qualified", True,
      "refuse entries without a passing, current qualification"),
     ("--trust-remote-code", "trust_remote_code", True, "allow model code from the model folder"),
+    ("--no-prefix-cache-persist", "enable_prefix_cache_persist", False,
+     "do not save prefix caches on unload/shutdown nor restore them on load"),
 )
 
 
@@ -127,7 +156,11 @@ def _ready_line(ctx: Any, host: str, port: int) -> str:
         extra = ", loaded" if res.state == State.LOADED else ""
         alias = f", alias {aliases[res.name]}" if res.name in aliases else ""
         parts.append(f"{res.name} ({res.kind}{extra}{alias})")
-    return f"mlxd ready on http://{host}:{port} serving: " + ", ".join(parts)
+    # The playground (GET /) is the first thing a person opens: a URL a browser can reach
+    # even when the server listens on every interface.
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return (f"mlxd ready on http://{host}:{port} (playground: http://{local}:{port}/) "
+            "serving: " + ", ".join(parts))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,8 +188,9 @@ def run(args: argparse.Namespace) -> int:
     except (CatalogError, RegistryError, ValueError) as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mlxd.server.logs import configure_logging
+
+    uvicorn_logging = configure_logging(config.log_level, config.log_format)
     from mlxd.models.qualification import check_qualified
 
     try:
@@ -206,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
             await super().shutdown(sockets)
 
     server = guarded_server(app, config, server_class=Server, log_level=config.log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=config.drain_timeout, **uvicorn_logging)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # uvicorn re-raises SIGTERM after its graceful shutdown (the process would
     # die by the signal); a clean shutdown on SIGTERM exits 0 instead.

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from prometheus_client import CollectorRegistry
 
 from mlxd import __version__
 from mlxd.config import ServerConfig
@@ -25,6 +26,7 @@ from mlxd.models.qualification import check_qualified
 from mlxd.server.context import ServerContext
 from mlxd.server.errors import install_error_handlers
 from mlxd.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from mlxd.server.observe import RequestMetrics, RequestObserver
 from mlxd.server.openapi import install_openapi
 from mlxd.server.response_store import ResponseStore
 from mlxd.server.routes import (
@@ -35,8 +37,10 @@ from mlxd.server.routes import (
     health,
     metrics,
     models,
+    playground,
     rerank,
     responses,
+    tokenize,
 )
 
 log = logging.getLogger("mlxd")
@@ -65,7 +69,9 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
                                              engines=engine_registry)
         else:
             model_loader = loader
-        manager = ModelManager(cat.policy, model_loader, servable=engine_registry.refusal)
+        request_metrics = RequestMetrics(CollectorRegistry())  # this app's own registry
+        manager = ModelManager(cat.policy, model_loader, servable=engine_registry.refusal,
+                               observer=request_metrics)
         for reg in cat.registrations:
             manager.register(reg)
         for alias, name in cat.aliases.items():
@@ -73,7 +79,8 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
         ctx = ServerContext(
             config=config, manager=manager, registry=cat.registry, hasher=cat.hasher,
             response_store=ResponseStore(config.response_store_max, config.response_store_bytes),
-            metrics=metrics.metrics_registry(manager))
+            metrics=metrics.metrics_registry(manager, request_metrics.registry),
+            request_metrics=request_metrics)
         app.state.ctx = ctx
         await manager.start()
         try:
@@ -90,11 +97,13 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
     install_error_handlers(app)
     install_openapi(app, config)
     for module in (health, models, chat, completions, responses, anthropic, embeddings, rerank,
-                   metrics):
+                   tokenize, metrics, playground):
         app.include_router(module.router)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins,
-                           allow_methods=["*"], allow_headers=["*"])
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestObserver)  # outermost: sees every response, refusals included
     return app

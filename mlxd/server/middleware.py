@@ -8,7 +8,10 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-PUBLIC_PATHS = frozenset({"/health", "/healthz"})
+# The playground's page and static files are public too: they hold no data, and the
+# page asks for the key itself when the API answers 401 (server/routes/playground.py).
+PUBLIC_PATHS = frozenset({"/health", "/healthz", "/", "/ui"})
+PUBLIC_PREFIXES = ("/ui/",)
 ADMIN_ROUTES = (("POST", "/v1/models/load"), ("POST", "/v1/models/unload"),
                 ("PUT", "/v1/models"), ("DELETE", "/v1/models/"))
 
@@ -74,13 +77,18 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def _is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+
+
 def _is_admin(method: str, path: str) -> bool:
     return any(method == m and (path == p or (p.endswith("/") and path.startswith(p)))
                for m, p in ADMIN_ROUTES)
 
 
 class AuthMiddleware:
-    """Every route but /health needs the API key (Bearer or x-api-key) when one is set.
+    """Every route but /health and the playground's files needs the API key (Bearer or
+    x-api-key) when one is set.
 
     Admin routes need the admin key when one is configured. Keys are compared
     in constant time.
@@ -108,7 +116,7 @@ class AuthMiddleware:
             presented.encode("utf-8"), expected.encode("utf-8"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in PUBLIC_PATHS or \
+        if scope["type"] != "http" or _is_public(scope.get("path", "")) or \
                 scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
