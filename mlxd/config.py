@@ -39,6 +39,9 @@ class ServerConfig(BaseSettings):
     api_key: str | None = None
     admin_api_key: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = Field("text", description=(
+        "text: lines for people; json: one JSON object per line (one per request with its "
+        "id, route, model, status, tokens and timings)"))
     max_body_bytes: int = 32 * 1024 * 1024
     cors_origins: list[str] = Field(default_factory=list)
     header_timeout: float = Field(20.0, gt=0, description=(
@@ -47,6 +50,9 @@ class ServerConfig(BaseSettings):
         "seconds a request body may stall between reads (then 408 and close)"))
     max_connections: int | None = Field(None, gt=0, description=(
         "open connections at most; default min(1024, open-file limit less a reserve)"))
+    drain_timeout: float = Field(5.0, ge=0, description=(
+        "on SIGTERM, seconds in-flight requests (streams included) may take to finish "
+        "while new ones get 503; then they are cut off"))
     log_repeat_interval: float = Field(10.0, gt=0, description=(
         "repeated connection errors (timeouts, accept failures) are logged once per this "
         "many seconds, with a count"))

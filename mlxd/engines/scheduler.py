@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -113,10 +114,15 @@ class Sequence:
     uid: int = -1
     error: str | None = None
     cache_key: str | None = None  # prefix-cache namespace, set on admission
+    submitted_at: float = field(default_factory=time.monotonic)
 
     @property
     def prompt_tokens(self) -> list[int]:
         return self.prompt.tokens
+
+    def admitted(self) -> None:
+        """It leaves the queue for the running batch: record how long it waited."""
+        self.pipeline.queue_seconds = time.monotonic() - self.submitted_at
 
 
 class SchedulerBase:
@@ -134,6 +140,8 @@ class SchedulerBase:
         self._cancelled: set[str] = set()
         self.running: dict[int, Sequence] = {}
         self.steps = 0
+        # steps run with each batch size (index = sequences in the batch), for /metrics
+        self.batch_sizes = [0] * (self.max_num_seqs + 1)
         self.closed = False
         self._outbox: list[tuple[EventSink, list[Event]]] = []
 
@@ -158,9 +166,10 @@ class SchedulerBase:
             self._cancelled.add(seq_id)
         self._wake()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"running": len(self.running), "waiting": len(self._waiting)}
+            return {"running": len(self.running), "waiting": len(self._waiting),
+                    "steps": self.steps, "batch_sizes": list(self.batch_sizes)}
 
     # -- worker thread ----------------------------------------------------
     def has_work(self) -> bool:
@@ -351,6 +360,7 @@ class BatchScheduler(SchedulerBase):
             prompt_responses, responses = decoder.next()
         self._observe(stats)
         self.steps += 1
+        self.batch_sizes[min(len(self.running), self.max_num_seqs)] += 1
         self._cache_finished_prompts(prompt_responses)
         for r in responses:
             found = self.running.get(r.uid)
@@ -407,6 +417,7 @@ class BatchScheduler(SchedulerBase):
             seq.cache_key = self.prefix_cache.namespace(prompt.media_hashes, prompt.cache_salt)
             cache, n_cached = self.prefix_cache.fetch(prompt.tokens, seq.cache_key)
         seq.pipeline.set_cached_tokens(n_cached)
+        seq.admitted()
         uid = self.decoder.insert(
             prompt, n_cached, cache, self._guarded_sampler(seq), self._guarded_processors(seq),
             seq.stop_token_ids, seq.max_tokens)
@@ -481,6 +492,7 @@ class SerialScheduler(SchedulerBase):
             self._end(seq, "length")
             return
         self.steps += 1
+        self.batch_sizes[1] += 1
         if seq.error is not None:  # a processor or the sampler failed this step
             self._end(seq, "error")
             return
@@ -499,6 +511,7 @@ class SerialScheduler(SchedulerBase):
             self._end(seq, "length")
 
     def _start(self, seq: Sequence) -> None:
+        seq.admitted()
         steps = self.decoder.start(seq.prompt, self._guarded_sampler(seq),
                                    self._guarded_processors(seq), seq.max_tokens)
         self._current = (seq, steps)

@@ -82,12 +82,16 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finish:
-    """The end of one sequence. ``reason``: stop, length, tool_calls, cancelled or error."""
+    """The end of one sequence. ``reason``: stop, length, tool_calls, cancelled or error.
+
+    ``queue_seconds``: how long the sequence waited for a place in the running batch
+    (None when it never got one)."""
 
     reason: str
     usage: Usage
     stop_sequence: str | None = None
     error: str | None = None
+    queue_seconds: float | None = None
 
 
 Event = TextDelta | ReasoningDelta | ToolCall | Finish

@@ -82,6 +82,7 @@ class OutputPipeline:
         self.reasoning_tokens = 0
         self.stop_sequence: str | None = None
         self.finished = False
+        self.queue_seconds: float | None = None  # set by the scheduler on admission
 
     # -- public -----------------------------------------------------------
     @property
@@ -128,7 +129,7 @@ class OutputPipeline:
             cached_tokens=self._opt.cached_tokens,
             reasoning_tokens=self.reasoning_tokens,
         )
-        events.append(Finish(reason, usage, self.stop_sequence, error))
+        events.append(Finish(reason, usage, self.stop_sequence, error, self.queue_seconds))
         return events
 
     # -- internals --------------------------------------------------------

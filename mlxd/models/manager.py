@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, Generic, Protocol, TypeVar, cast, overload
 
 from mlxd.errors import Conflict, InsufficientStorage, InvalidRequest, ModelNotFound, Overloaded
 from mlxd.models.memory import format_bytes
@@ -32,6 +32,16 @@ E = TypeVar("E")
 # kind -> why this install cannot serve it (None: it can). The engine registry
 # answers it; the manager only asks, so a refusal comes before any load.
 Servability = Callable[[ModelKind], "str | None"]
+
+
+class ManagerObserver(Protocol):
+    """Told what the manager does, for metrics (``server/observe.py``); runs on the loop."""
+
+    def requested(self, name: str) -> None:
+        """A request asked for registered model ``name`` (aliases resolved)."""
+
+    def loaded(self, name: str, seconds: float) -> None:
+        """Model ``name`` finished loading in ``seconds``."""
 
 
 @dataclass
@@ -87,10 +97,12 @@ class ModelManager:
     """Owns every registered model's residency and the shared memory budget."""
 
     def __init__(self, policy: ManagerPolicy, loader: Loader,
-                 servable: Servability | None = None) -> None:
+                 servable: Servability | None = None,
+                 observer: ManagerObserver | None = None) -> None:
         self.policy = policy
         self._loader = loader
         self._servable = servable
+        self._observer = observer
         self._models: dict[str, ResidencyManager] = {}
         self._aliases: dict[str, str] = {}
         self._lock = asyncio.Lock()
@@ -107,7 +119,8 @@ class ModelManager:
             raise Conflict(f"A model named '{reg.entry.name}' is already registered.")
         res = ResidencyManager(reg.entry, reg.kind, reg.estimate, self._loader,
                                reserve=reg.reserve, on_change=self._notify,
-                               load_gate=self._device_lock)
+                               load_gate=self._device_lock,
+                               on_loaded=self._observer.loaded if self._observer else None)
         self._models[reg.entry.name] = res
         return res
 
@@ -211,6 +224,8 @@ class ModelManager:
         """Lease ``name`` for ``family`` (None: any kind, for admin loads), loading it if
         needed; every refusal that needs no load comes first."""
         self.check_kind(name, family, endpoint)
+        if self._observer is not None:
+            self._observer.requested(self.get(name).name)
         deadline = time.monotonic() + self.policy.wait_timeout_s
         while True:
             if self._closing:

@@ -99,7 +99,8 @@ class ResidencyManager:
 
     def __init__(self, entry: ModelEntry, kind: ModelKind, estimate: int, loader: Loader,
                  reserve: int = 0, on_change: Callable[[], Awaitable[None]] | None = None,
-                 load_gate: asyncio.Lock | None = None) -> None:
+                 load_gate: asyncio.Lock | None = None,
+                 on_loaded: Callable[[str, float], None] | None = None) -> None:
         self.entry = entry
         self.kind = kind
         self.estimate = estimate
@@ -107,6 +108,7 @@ class ResidencyManager:
         self._loader = loader
         self._on_change = on_change
         self._load_gate = load_gate  # one load at a time per device
+        self._on_loaded = on_loaded  # load-time metrics
         self.state = State.UNLOADED
         self.loaded: LoadedModel | None = None
         self.last_error: str | None = None
@@ -237,6 +239,8 @@ class ResidencyManager:
         except Exception:
             self.measured_bytes = self.estimate
         log.info("model %s loaded in %.1fs (%s)", self.name, self.load_seconds, self.kind)
+        if self._on_loaded is not None:
+            self._on_loaded(self.name, self.load_seconds)
         await self._notify()
         return loaded
 

@@ -129,5 +129,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
+        # sent outside RequestObserver (Starlette's outermost layer): add its header here
+        request_id = request.scope.get("state", {}).get("request_id")
         return error_response(request, 500, f"Internal error: {type(exc).__name__}: {exc}",
-                              error_type="server_error")
+                              error_type="server_error",
+                              headers={"X-Request-Id": request_id} if request_id else None)

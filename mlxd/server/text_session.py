@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -20,6 +21,7 @@ from mlxd.generation.params import GenerationRequest, SamplingParams
 from mlxd.models.manager import ModelLease
 from mlxd.models.spec import Family, ServingDefaults
 from mlxd.server.context import ServerContext
+from mlxd.server.observe import current_record
 
 if TYPE_CHECKING:
     from mlxd.engines.base import PreparedPrompt
@@ -143,7 +145,27 @@ class TextSession:
         await self.lease.release()
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
-        """Events of all choices, interleaved, tagged with the choice index."""
+        """Events of all choices, interleaved, tagged with the choice index.
+
+        Every text API streams through here, so this is where the request's record
+        (``server/observe.py``) learns its tokens, time to first output and timings.
+        """
+        record = current_record()
+        started = time.monotonic()
+        first: dict[int, float] = {}
+        # closed here, not left to the garbage collector: closing cancels the generation
+        async with contextlib.aclosing(self._events()) as events:
+            async for index, ev in events:
+                if record is not None:
+                    now = time.monotonic()
+                    if isinstance(ev, Finish):
+                        record.finished(index, ev, started, first.get(index), now)
+                    elif index not in first:
+                        first[index] = now
+                        record.first_output(now)
+                yield index, ev
+
+    async def _events(self) -> AsyncGenerator[tuple[int, Event], None]:
         if self.n == 1:
             async for ev in self.engine.generate(self.prepared):
                 yield 0, ev

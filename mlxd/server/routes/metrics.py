@@ -1,4 +1,8 @@
-"""GET /metrics: Prometheus metrics read from the live model manager at scrape time."""
+"""GET /metrics: Prometheus metrics (docs/metrics.md lists them all).
+
+Model, memory and scheduler state are read from the live model manager at
+scrape time; per-request series are recorded by ``server/observe.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from mlxd.models.manager import ModelManager
 from mlxd.models.residency import State
@@ -47,6 +51,12 @@ class ManagerCollector:
                                   labels=["model"])
         hits = CounterMetricFamily("mlxd_prefix_cache_hits", "Prefix cache hits",
                                    labels=["model"])
+        lookups = CounterMetricFamily("mlxd_prefix_cache_lookups", "Prefix cache lookups "
+                                      "(one per admitted sequence)", labels=["model"])
+        steps = CounterMetricFamily("mlxd_scheduler_steps", "Scheduler steps (one token for "
+                                    "each running sequence)", labels=["model"])
+        batch = HistogramMetricFamily("mlxd_batch_size", "Sequences in the batch, observed "
+                                      "once per scheduler step", labels=["model"])
         for res in manager.residencies():
             for s in State:
                 state.add_metric([res.name, str(res.kind), str(s)], 1 if res.state == s else 0)
@@ -58,7 +68,27 @@ class ManagerCollector:
             waiting.add_metric([res.name], stats.get("waiting", 0))
             cache.add_metric([res.name], stats.get("prefix_cache_bytes", 0))
             hits.add_metric([res.name], stats.get("prefix_cache_hits", 0))
-        yield from (state, memory, loads, leases, running, waiting, cache, hits)
+            lookups.add_metric([res.name], stats.get("prefix_cache_hits", 0) +
+                               stats.get("prefix_cache_misses", 0))
+            if "batch_sizes" in stats:
+                steps.add_metric([res.name], stats.get("steps", 0))
+                batch.add_metric([res.name], *_batch_buckets(stats["batch_sizes"]))
+        yield from (state, memory, loads, leases, running, waiting, cache, hits, lookups, steps,
+                    batch)
+
+
+def _batch_buckets(counts: list[int]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative power-of-two buckets (and the sum) from steps counted per batch size."""
+    buckets: list[tuple[str, float]] = []
+    bound, seen = 1, 0
+    for size, n in enumerate(counts):
+        while size > bound:
+            buckets.append((str(bound), seen))
+            bound *= 2
+        seen += n
+    buckets.append((str(bound), seen))
+    buckets.append(("+Inf", seen))
+    return buckets, float(sum(size * n for size, n in enumerate(counts)))
 
 
 def _engine_stats(res: Any) -> dict[str, Any]:
@@ -72,9 +102,10 @@ def _engine_stats(res: Any) -> dict[str, Any]:
         return {}
 
 
-def metrics_registry(manager: ModelManager) -> CollectorRegistry:
+def metrics_registry(manager: ModelManager,
+                     registry: CollectorRegistry | None = None) -> CollectorRegistry:
     """One app's Prometheus registry: its own, so apps in one process never share metrics."""
-    registry = CollectorRegistry()
+    registry = registry if registry is not None else CollectorRegistry()
     registry.register(ManagerCollector(manager))  # type: ignore[arg-type]
     return registry
 
