@@ -13,8 +13,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlxd.config import ServerConfig
 from mlxd.server.logs import JsonFormatter, configure_logging
-from tests.helpers.server import RunningServer
+from tests.helpers.server import RunningServer, running_server
 
 CHAT = "/v1/chat/completions"
 
@@ -188,3 +189,18 @@ def test_every_exported_metric_is_documented(traffic: dict[str, Any]) -> None:
     families = {re.sub(r"_(bucket|count|sum)$", "", n) for n in names}
     missing = sorted(f for f in families if f"`{f}`" not in doc)
     assert not missing, f"add to docs/metrics.md: {missing}"
+
+
+def test_refusals_before_routing_are_counted_under_their_route(tmp_path: Path) -> None:
+    """A 401 from the auth middleware (before routing) still has a request id and is
+    counted under the route it was refused for; an unknown path is `unmatched`."""
+    config = ServerConfig(home=tmp_path, no_starter=True, api_key="k")
+    with running_server(config) as srv, srv.client() as client:
+        refused = client.post(CHAT, json={"model": "m", "messages": []})
+        assert refused.status_code == 401 and len(refused.headers["x-request-id"]) == 32
+        assert client.get("/no/such/path").status_code == 401
+        samples = scrape(httpx.Client(base_url=srv.url, headers={"Authorization": "Bearer k"}))
+    assert value(samples, "mlxd_requests_total", route=CHAT, method="POST", model="",
+                 status="401") == 1
+    assert value(samples, "mlxd_requests_total", route="unmatched", method="GET", model="",
+                 status="401") == 1

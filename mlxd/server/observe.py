@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.generation.events import Finish
@@ -167,16 +166,14 @@ class RequestMetrics:
             self.completion_tokens.labels(model).inc(record.completion_tokens)
 
 
-def route_of(scope: Scope) -> str:
-    """The route template that served (or would serve) the request: a bounded label."""
-    route = scope.get("route")
-    if route is None:  # refused before routing (auth, body limit): find what would match
-        for candidate in getattr(scope.get("app"), "routes", ()):
-            match, _ = candidate.matches(scope)
-            if match != Match.NONE:
-                route = candidate
-                break
-    return str(getattr(route, "path", None) or "unmatched")
+def route_templates(app: Any) -> list[tuple[re.Pattern[str], str]]:
+    """Each documented path template with a pattern matching the paths it serves."""
+    out = []
+    schema: dict[str, Any] = app.openapi() if hasattr(app, "openapi") else {}
+    for template in schema.get("paths", {}):
+        pattern = re.sub(r"\\\{[^}]+\\\}", ".+", re.escape(template))
+        out.append((re.compile(pattern), template))
+    return out
 
 
 class RequestObserver:
@@ -184,6 +181,19 @@ class RequestObserver:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._templates: list[tuple[re.Pattern[str], str]] | None = None
+
+    def route_of(self, scope: Scope) -> str:
+        """The route template that served (or would serve) the request: a bounded label."""
+        route = getattr(scope.get("route"), "path", None)
+        if route:
+            return str(route)
+        # refused before routing (auth, body limit): the documented path it was sent to
+        if self._templates is None:
+            self._templates = route_templates(scope.get("app"))
+        path = scope.get("path", "")
+        return next((t for pattern, t in self._templates if pattern.fullmatch(path)),
+                    "unmatched")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -214,10 +224,9 @@ class RequestObserver:
             _CURRENT.reset(token)
             self._done(scope, record)
 
-    @staticmethod
-    def _done(scope: Scope, record: RequestRecord) -> None:
+    def _done(self, scope: Scope, record: RequestRecord) -> None:
         duration = time.monotonic() - record.start
-        route = route_of(scope)
+        route = self.route_of(scope)
         ctx = getattr(getattr(scope.get("app"), "state", None), "ctx", None)
         metrics: RequestMetrics | None = getattr(ctx, "request_metrics", None)
         if metrics is not None:
