@@ -175,9 +175,11 @@
     try {
       const r = await api("/v1/models", {}, { quiet: true });
       if (!r.ok) {
-        setStatus("models-status", "model list: " + await errorText(r), true);
+        const hint = r.status === 401 ? " (press API key to enter one)" : "";
+        setStatus("models-status", "model list: " + await errorText(r) + hint, true);
         return;
       }
+      if ($("models-status").textContent.startsWith("model list:")) setStatus("models-status", "");
       state.models = (await r.json()).data;
       renderModels(state.models);
       updatePanels();
