@@ -35,7 +35,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 
 MODEL_FOR_PATH = {"/v1/embeddings": "all-minilm-l6-v2", "/v1/rerank": "rerank",
-                  "/rerank": "rerank", "/v2/rerank": "rerank"}
+                  "/rerank": "rerank", "/v2/rerank": "rerank", "/tokenize": "tiny",
+                  "/detokenize": "tiny"}
 TOKEN_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2,
               "best_of": 2}
 # Admin routes that change what the server serves get names of their own, so the fuzzer

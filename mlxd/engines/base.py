@@ -91,6 +91,30 @@ class TextGenerator(ModelEngine, Protocol):
         """One entry per prompt token, each with its log-probability given the tokens
         before it and the ``top`` most likely alternatives; the first has none (None)."""
 
+    # -- the token endpoints (/tokenize, /detokenize, /tokenizer_info) --
+    async def tokenize(self, request: GenerationRequest, *, add_special_tokens: bool,
+                       token_strs: bool = False) -> Tokenized:
+        """The tokens of ``request``'s prompt or chat messages, as ``prepare`` renders them
+        (a 400 for what ``prepare`` refuses: over the context, media on a text model...),
+        without generation's checks; off the event loop."""
+
+    async def decode(self, tokens: Sequence[int]) -> str:
+        """Client token ids as text, off the event loop: a 400 for any id outside the
+        vocabulary or more ids than the context holds (checked before decoding)."""
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """The special tokens, context length, vocabulary size and chat template
+        (``TokenizerInfoResponse``'s fields)."""
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A prompt's token ids (``token_strs``: each id's vocabulary entry, when asked for)."""
+
+    tokens: list[int]
+    max_model_len: int  # the model's context length
+    token_strs: list[str] | None = None
+
 
 # -- embeddings and reranking ---------------------------------------------------
 

@@ -138,6 +138,38 @@ class InputProcessor:
                               fmt, self._grammar(request, fmt), media=media,
                               cache_salt=request.cache_salt)
 
+    def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> list[int]:
+        """The token ids of ``request``'s prompt (text) or chat messages, rendered and
+        bounded as ``prepare`` does (a prompt that cannot fit in the context is a 400);
+        generation's checks (sampling, ``max_tokens``, grammar) are not made. An empty
+        prompt is no error here: it has no tokens (or only the special ones)."""
+        if request.messages is not None:
+            self._check_chars(text_chars(request.messages), "messages")  # before rendering
+            text, _, _ = self._render_chat(request)
+            param = "messages"
+        elif isinstance(request.prompt, str):
+            text, param = request.prompt, "prompt"
+        else:
+            raise InvalidRequest("Give a prompt (text) or messages to tokenise.", param="prompt")
+        tokens = self._encode(text, add_special_tokens, param)
+        if len(tokens) >= self.limits.context_length:
+            raise self._too_long(f"your prompt has {len(tokens)} tokens", param)
+        return tokens
+
+    def token_strings(self, tokens: list[int]) -> list[str]:
+        """Each id's vocabulary entry (vLLM's ``token_strs``: ``convert_ids_to_tokens``)."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(tokens)]
+
+    def decode(self, tokens: list[int]) -> str:
+        """Client token ids as text, checked first: no more ids than the context holds,
+        each in the vocabulary (a tokenizer raises or misbehaves on others)."""
+        ctx = self.limits.context_length
+        if len(tokens) > ctx:
+            raise InvalidRequest(f"tokens has {len(tokens)} ids, more than this model's "
+                                 f"context of {ctx} tokens.", param="tokens")
+        check_token_ids(tokens, self.limits.vocab_size, "tokens")
+        return cast(str, self.tokenizer.decode(tokens))
+
     def constraint_factory(self, grammar: str | None) -> Callable[[], list[Any]] | None:
         """Fresh logits processors for a sequence decoding under ``grammar`` (or None)."""
         if grammar is None or self.grammar_tokenizer is None:

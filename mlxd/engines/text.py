@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from mlxd.engines.base import Tokenized
 from mlxd.engines.device import weights_nbytes
 from mlxd.engines.input_processor import InputLimits, InputProcessor, PreparedPrompt
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
@@ -288,6 +289,43 @@ class MLXLanguageModel:
 
     def detokenize(self, tokens: Iterable[int]) -> str:
         return cast(str, self.tokenizer.decode(list(tokens)))
+
+    # -- the token endpoints (the TextGenerator protocol) ---------------------
+    async def tokenize(self, request: GenerationRequest, *, add_special_tokens: bool,
+                       token_strs: bool = False) -> Tokenized:
+        """``request``'s prompt or messages as token ids (``InputProcessor.tokenize``)."""
+        inputs = self._loaded_inputs()
+        async with self._prepare_slots:
+            tokens = await asyncio.to_thread(inputs.tokenize, request, add_special_tokens)
+            strs = await asyncio.to_thread(inputs.token_strings, tokens) if token_strs else None
+        return Tokenized(tokens, self.context_length, strs)
+
+    async def decode(self, tokens: Iterable[int]) -> str:
+        """Client token ids as text, each checked against the vocabulary first."""
+        inputs = self._loaded_inputs()
+        async with self._prepare_slots:
+            return await asyncio.to_thread(inputs.decode, list(tokens))
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        tok = self.tokenizer
+        hf = getattr(tok, "_tokenizer", tok)  # mlx-lm's wrapper holds the HF tokenizer
+        template = getattr(tok, "chat_template", None)
+
+        def special(name: str) -> str | None:
+            value = getattr(hf, name, None)
+            return value if isinstance(value, str) else None
+
+        return {"tokenizer_class": type(hf).__name__, "eos_token": special("eos_token"),
+                "bos_token": special("bos_token"), "pad_token": special("pad_token"),
+                "unk_token": special("unk_token"), "model_max_length": self.context_length,
+                "vocab_size": self.vocab_size,
+                "chat_template": template if isinstance(template, str) else None}
+
+    def _loaded_inputs(self) -> InputProcessor:
+        inputs = self.inputs
+        if inputs is None:
+            raise InvalidRequest(f"Model '{self.name}' is not loaded.")
+        return inputs
 
     def limit_max_tokens(self, prepared: PreparedPrompt, max_tokens: int) -> int:
         """At most ``max_tokens``, and no further than the context ends (prepare left room)."""

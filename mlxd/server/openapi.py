@@ -75,10 +75,11 @@ _STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("post", "/v1/models/unload"): (400, 404, 409, 413),
     ("get", "/v1/responses/{response_id}"): (404,),
     ("delete", "/v1/responses/{response_id}"): (404,),
+    ("get", "/tokenizer_info"): (400, 404, 500, 503, 507),
 }
 _MODEL_CALLS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                 "/v1/messages/count_tokens", "/v1/embeddings", "/v1/rerank", "/rerank",
-                "/v2/rerank"}
+                "/v2/rerank", "/tokenize", "/detokenize"}
 STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
 PUBLIC = {"/health", "/healthz"}
 ADMIN = {("post", "/v1/models/load"), ("post", "/v1/models/unload"), ("put", "/v1/models"),

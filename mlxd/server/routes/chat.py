@@ -21,6 +21,7 @@ from mlxd.generation.events import (
 )
 from mlxd.generation.params import GenerationRequest
 from mlxd.protocol.openai import ChatCompletionRequest
+from mlxd.protocol.tokenize import TokenizeRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import constraint, tool_choice, tool_specs
@@ -39,7 +40,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINT = "/v1/chat/completions"
 
 
-def canonical_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def canonical_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
     if not req.messages:
         raise InvalidRequest("messages must contain at least one message.", param="messages")
     out = []
