@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -157,6 +158,18 @@ def test_token_endpoints_serve_text_models_only(mixed_server: RunningServer) -> 
     r = http.get("/tokenizer_info", params={"model": "rerank"})
     assert_openai_error(r, 400, param="model")
     assert http.get("/tokenizer_info").json()["eos_token"] == "<|im_end|>"  # default: tiny
+
+
+def test_no_model_named_and_no_default_model_is_a_400() -> None:
+    """A server with no chat model has no ``default`` alias: the client must name one."""
+    from mlxd.errors import InvalidRequest
+    from mlxd.models.manager import ManagerPolicy, ModelManager
+    from mlxd.server.routes.tokenize import model_name
+
+    ctx: Any = SimpleNamespace(manager=ModelManager(ManagerPolicy(budget_bytes=1 << 30), None))
+    with pytest.raises(InvalidRequest, match="model is required") as refused:
+        model_name(ctx, None, "/tokenize")
+    assert refused.value.param == "model"
 
 
 # -- lm-evaluation-harness, run as a user runs it ---------------------------------------
