@@ -51,7 +51,10 @@ def test_model_routes_declare_their_errors_in_their_api_shape(doc: dict[str, Any
 def test_lookups_declare_404(doc: dict[str, Any]) -> None:
     assert "404" in doc["paths"]["/v1/models/{name}"]["get"]["responses"]
     assert "404" in doc["paths"]["/v1/responses/{response_id}"]["delete"]["responses"]
-    assert set(doc["paths"]["/health"]["get"]["responses"]) == {"200"}
+    health = doc["paths"]["/health"]["get"]["responses"]
+    assert set(health) == {"200", "503"}  # 503: draining on SIGTERM, with the same body
+    assert health["503"]["content"] == health["200"]["content"]
+    assert "Retry-After" in health["503"]["headers"]
 
 
 def test_streaming_routes_and_metrics_declare_their_content_types(doc: dict[str, Any],

@@ -22,8 +22,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import resource
+import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import h11
@@ -31,6 +34,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxd.config import ServerConfig
+from mlxd.server.drain import Drain
 
 DEFAULT_MAX_CONNECTIONS = 1024
 MIN_MAX_CONNECTIONS = 8
@@ -290,6 +294,38 @@ class GuardedServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(self.guard.exception_handler(loop.get_exception_handler()))
         await super().startup(sockets)
+
+    def _drain(self) -> Drain | None:
+        ctx = getattr(getattr(self.config.app, "state", None), "ctx", None)
+        return getattr(ctx, "drain", None)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """First signal: drain (server/drain.py) while the listener stays open; a second
+        one exits at once, skipping the wait for in-flight requests."""
+        drain = self._drain()
+        if drain is None or not self.started or self.should_exit:
+            super().handle_exit(sig, frame)
+            if self.should_exit and drain is not None and drain.draining:
+                self.force_exit = True  # uvicorn forces only on a second SIGINT
+            return
+        self._captured_signals.append(sig)
+        if drain.draining:  # second signal while draining
+            self.should_exit = self.force_exit = True
+            return
+        drain.begin(self.config.timeout_graceful_shutdown or 0.0)
+        logger.info("draining: refusing new requests with 503 until the %d in flight finish "
+                    "(--drain-timeout %gs)", drain.in_flight,
+                    self.config.timeout_graceful_shutdown or 0.0)
+
+    async def on_tick(self, counter: int) -> bool:
+        """Also end the drain (every 0.1 s tick) once nothing is in flight or its time is up;
+        uvicorn's shutdown then gets what is left of --drain-timeout."""
+        drain = self._drain()
+        if drain is not None and not self.should_exit and drain.done():
+            self.should_exit = True
+            left = drain.deadline - time.monotonic()
+            self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
+        return await super().on_tick(counter)
 
 
 def guarded_server(app: Any, config: ServerConfig,

@@ -12,6 +12,7 @@ from mlxd.config import ServerConfig
 from mlxd.models.manager import ModelManager
 from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryFile
+from mlxd.server.drain import Drain
 from mlxd.server.observe import RequestMetrics
 from mlxd.server.response_store import ResponseStore
 
@@ -28,6 +29,7 @@ class ServerContext:
     started_at: float = field(default_factory=time.time)
     hasher: FileHasher = field(default_factory=FileHasher)  # --require-qualified re-hashing
     request_metrics: RequestMetrics | None = None  # per-request instruments (in ``metrics``)
+    drain: Drain = field(default_factory=Drain)  # graceful shutdown (server/drain.py)
 
 
 def get_ctx(request: Request) -> ServerContext:

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.generation.events import Finish
+from mlxd.server.drain import Drain, send_draining
 
 log = logging.getLogger("mlxd.request")
 
@@ -213,14 +214,23 @@ class RequestObserver:
                 message = {**message, "headers": [*message.get("headers", []), header]}
             await send(message)
 
+        ctx = getattr(getattr(scope.get("app"), "state", None), "ctx", None)
+        drain: Drain | None = getattr(ctx, "drain", None)
         token = _CURRENT.set(record)
+        if drain is not None:
+            drain.in_flight += 1  # what the drain phase waits for (server/drain.py)
         try:
-            await self.app(scope, receive, send_with_id)
+            if drain is not None and drain.refuses(scope):
+                await send_draining(scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
         except BaseException:
             if not record.status:
                 record.status = 500
             raise
         finally:
+            if drain is not None:
+                drain.in_flight -= 1
             _CURRENT.reset(token)
             self._done(scope, record)
 

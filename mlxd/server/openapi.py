@@ -89,6 +89,7 @@ ADMIN = {("post", "/v1/models/load"), ("post", "/v1/models/unload"), ("put", "/v
 def _statuses(method: str, path: str, config: ServerConfig) -> list[int]:
     found = set(_STATUSES.get((method, path), _MODEL_CALL if path in _MODEL_CALLS else ()))
     if path not in PUBLIC:
+        found.add(503)  # every route while the server drains on SIGTERM (server/drain.py)
         if config.api_key or (config.admin_api_key and (method, path) in ADMIN):
             found.add(401)
         if config.admin_api_key and (method, path) in ADMIN:
@@ -132,6 +133,9 @@ def _fix_operation(method: str, path: str, op: dict[str, Any], config: ServerCon
     ok = responses.get("200", {}).setdefault("content", {})
     if path in STREAMING:
         ok["text/event-stream"] = {"schema": SSE_EVENT}
+    if path == "/health":  # the same body, "status": "draining", while shutting down
+        responses["503"] = {"description": "Shutting down (draining); see Retry-After",
+                            "content": ok, "headers": _error_response(503, path)["headers"]}
     if path == "/metrics":
         ok.clear()
         ok["text/plain"] = {"schema": {"type": "string",

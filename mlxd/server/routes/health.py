@@ -4,23 +4,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Response
 
 from mlxd.models.residency import State
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.drain import RETRY_AFTER_S
 
 router = APIRouter()
 
 
 @router.get("/health")
-async def health(ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+async def health(response: Response, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     """``status`` is ``degraded`` while a loaded model is broken (``unhealthy`` says why).
 
     Still HTTP 200: the process answers and other models serve; a broken
-    model recovers by unloading it (the next request loads it again).
+    model recovers by unloading it (the next request loads it again). While
+    shutting down it is ``draining`` with HTTP 503, so load balancers take the
+    replica out while its in-flight requests finish (server/drain.py).
     """
     residencies = ctx.manager.residencies()
     unhealthy = {r.name: fault for r in residencies if (fault := r.health()) is not None}
-    return {"status": "degraded" if unhealthy else "ok", "models": len(residencies),
+    status = "degraded" if unhealthy else "ok"
+    if ctx.drain.draining:
+        status = "draining"
+        response.status_code = 503
+        response.headers["Retry-After"] = str(round(RETRY_AFTER_S))
+    return {"status": status, "models": len(residencies),
             "loaded": [r.name for r in residencies if r.state == State.LOADED],
             "unhealthy": unhealthy}
