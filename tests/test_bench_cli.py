@@ -84,6 +84,21 @@ def test_non_loopback_target_is_refused(capsys: pytest.CaptureFixture[str]) -> N
     assert "--allow-remote" in capsys.readouterr().err
 
 
+def test_plot_without_matplotlib_is_refused_before_any_request(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # a lean install: no bench extra
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    # Port 9 (discard) has no server: reaching the load generator would be an error count, not 2.
+    rc = main(["bench", "--url", "http://127.0.0.1:9", "--requests", "1", "--no-progress",
+               "--plot", str(tmp_path / "p.png")])
+    assert rc == 2
+    assert "pip install 'mlxd[bench]'" in capsys.readouterr().err
+
+
 def test_loopback_names_are_accepted() -> None:
     from mlxd.benchmark.loadgen import is_loopback_url
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -81,6 +82,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     if not args.allow_remote and not is_loopback_url(args.url):
         return (f"refusing to load-test {args.url}: it is not this machine (127.0.0.0/8, ::1 or "
                 "localhost). Pass --allow-remote if you own that server.")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib, which this install lacks: pip install 'mlxd[bench]'"
     if args.requests is not None and not 1 <= args.requests <= MAX_REQUESTS:
         return f"--requests must be between 1 and {MAX_REQUESTS}"
     if args.prompt_tokens < 1 or args.max_tokens < 1 or args.multi_turn < 1:
