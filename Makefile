@@ -57,7 +57,9 @@ openblas:
 	    (apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 \
 	     || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1)) \
 	    || echo "note: could not install libopenblas0-pthread; float32 on CPU stays 2-3x slower"; \
-	  else echo "note: float32 on CPU is 2-3x faster with: sudo apt-get install libopenblas0-pthread"; fi; \
+	  elif command -v apt-get >/dev/null 2>&1; then \
+	    echo "note: float32 on CPU is 2-3x faster with: sudo apt-get install libopenblas0-pthread"; \
+	  else echo "note: float32 on CPU is 2-3x faster with your distribution's OpenBLAS (openblas-threads on Fedora, openblas on Arch)"; fi; \
 	fi
 
 # The playground's browser test (tests/test_playground.py) drives Debian's headless Chromium
