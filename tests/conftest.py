@@ -132,6 +132,22 @@ def agent(agent_model: Path, test_home: Path) -> Iterator[tuple[RunningServer, A
         yield pair
 
 
+@pytest.fixture(scope="module")
+def oai(agent: tuple[RunningServer, Any]) -> Any:
+    """The real openai SDK pointed at the agent server."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=agent[0].url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(agent: tuple[RunningServer, Any]) -> Any:
+    """The real anthropic SDK pointed at the agent server."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=agent[0].url, api_key="unused", max_retries=0)
+
+
 @pytest.fixture
 def loader(agent: tuple[RunningServer, Any]) -> Iterator[Any]:
     """The scripted loader; its reply is reset after each test."""

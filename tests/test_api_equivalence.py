@@ -19,7 +19,6 @@ import pytest
 from openai import OpenAI
 
 from tests.helpers.scripted_engine import ScriptedLoader
-from tests.helpers.server import RunningServer
 
 MODEL = "agent"
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -39,16 +38,6 @@ SCRIPTS = {
 }
 
 Seen = dict[str, Any]  # {"reasoning", "content", "calls", "finish"}
-
-
-@pytest.fixture(scope="module")
-def oai(agent: tuple[RunningServer, ScriptedLoader]) -> OpenAI:
-    return OpenAI(base_url=agent[0].url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(agent: tuple[RunningServer, ScriptedLoader]) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=agent[0].url, api_key="unused", max_retries=0)
 
 
 def seen(reasoning: str, content: str, calls: list[tuple[str, Any]], finish: str) -> Seen:

@@ -28,7 +28,6 @@ from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
 from mlxd.generation.truncated import parse_partial_json
 from tests.helpers.scripted import PieceTokenizer, char_pieces
 from tests.helpers.scripted_engine import ScriptedLoader
-from tests.helpers.server import RunningServer
 
 MODEL = "agent"
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -125,16 +124,6 @@ def test_partial_json_is_read_as_far_as_it_goes(prefix: str, value: Any) -> None
 
 
 # -- the three APIs, streaming and not, through the real SDKs ------------------------------
-
-@pytest.fixture(scope="module")
-def oai(agent: tuple[RunningServer, ScriptedLoader]) -> OpenAI:
-    return OpenAI(base_url=agent[0].url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(agent: tuple[RunningServer, ScriptedLoader]) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=agent[0].url, api_key="unused", max_retries=0)
-
 
 @dataclass(frozen=True)
 class Cut:
