@@ -204,3 +204,20 @@ def test_refusals_before_routing_are_counted_under_their_route(tmp_path: Path) -
                  status="401") == 1
     assert value(samples, "mlxd_requests_total", route="unmatched", method="GET", model="",
                  status="401") == 1
+
+
+def test_embedding_and_rerank_input_tokens_are_counted(mixed_server: RunningServer) -> None:
+    with mixed_server.client() as client:
+        before = scrape(client)
+        emb = client.post("/v1/embeddings", json={"model": "all-minilm-l6-v2",
+                                                  "input": ["a cat", "a dog on a mat"]})
+        rr = client.post("/v1/rerank", json={"model": "rerank", "query": "pets",
+                                             "documents": ["a cat", "a car"]})
+        after = scrape(client)
+    assert emb.status_code == 200 and rr.status_code == 200
+    for model, resp in (("all-minilm-l6-v2", emb), ("rerank", rr)):
+        used = resp.json()["usage"]["prompt_tokens"]
+        assert used > 0
+        grew = (value(after, "mlxd_prompt_tokens_total", model=model)
+                - value(before, "mlxd_prompt_tokens_total", model=model))
+        assert grew == used, model

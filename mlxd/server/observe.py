@@ -67,6 +67,12 @@ class RequestRecord:
     cached_tokens: int = 0
     ttft: float | None = None  # request arrival -> first output event
     choices: list[ChoiceTiming] = field(default_factory=list)
+    inputs_counted: bool = False  # set by encoder routes, which have no choices
+
+    def encoded(self, tokens: int) -> None:
+        """An encoder request (embeddings, rerank) read ``tokens`` input tokens."""
+        self.prompt_tokens += tokens
+        self.inputs_counted = True
 
     def first_output(self, now: float) -> None:
         if self.ttft is None:
@@ -95,6 +101,13 @@ _CURRENT: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
 def current_record() -> RequestRecord | None:
     """The record of the request this code runs for (None outside a request)."""
     return _CURRENT.get()
+
+
+def count_input_tokens(tokens: int) -> None:
+    """Count an encoder request's input tokens as prompt tokens of the current request."""
+    record = _CURRENT.get()
+    if record is not None:
+        record.encoded(tokens)
 
 
 def valid_request_id(value: str | None) -> str | None:
@@ -161,7 +174,7 @@ class RequestMetrics:
                 self.prefill.labels(model).observe(c.prefill)
             if c.inter_token is not None:
                 self.inter_token.labels(model).observe(c.inter_token)
-        if record.choices:
+        if record.choices or record.inputs_counted:
             self.prompt_tokens.labels(model).inc(record.prompt_tokens)
             self.cached_tokens.labels(model).inc(record.cached_tokens)
             self.completion_tokens.labels(model).inc(record.completion_tokens)

@@ -18,6 +18,7 @@ from mlxd.errors import InvalidRequest
 from mlxd.protocol.embeddings import EmbeddingRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
+from mlxd.server.observe import count_input_tokens
 
 router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINT = "/v1/embeddings"
@@ -82,6 +83,7 @@ async def create_embeddings(req: EmbeddingRequest,
         encoded = await engine.encode(inputs)
         vectors = await engine.embed(encoded, req.dimensions)
     tokens = sum(len(e) for e in encoded)
+    count_input_tokens(tokens)
     data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
             for i, v in enumerate(vectors)]
     return JSONResponse({"object": "list", "data": data, "model": req.model,

@@ -19,6 +19,7 @@ from mlxd.errors import InvalidRequest
 from mlxd.protocol.rerank import RerankRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
+from mlxd.server.observe import count_input_tokens
 
 router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINTS = ("/v1/rerank", "/rerank", "/v2/rerank")
@@ -64,6 +65,7 @@ async def _rerank(req: RerankRequest, request: Request, ctx: ServerContext) -> J
                 f"{ctx.config.max_rerank_tokens} per request (--max-rerank-tokens).",
                 param="documents", code="too_many_tokens")
         scores = [float(s) for s in await engine.score(encoded)]
+    count_input_tokens(tokens)
     return JSONResponse({
         "id": f"rerank-{uuid.uuid4().hex}", "model": req.model,
         "results": ranked_results(scores, texts, req.top_n, req.return_documents),
