@@ -11,6 +11,7 @@ them; the scheduler and cache treat them the same as a vision engine's).
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -107,3 +108,36 @@ def test_the_scheduler_keys_cached_prompts_by_their_media(cache_server: RunningS
     first_a, first_b, salted_a, text_only, again_a, again_b = asyncio.run(main())
     assert [first_a, first_b, salted_a, text_only] == [0, 0, 0, 0]
     assert again_a > 60 and again_b > 60  # the same image (and salt) shares
+
+
+def _cached(http: Any, prompt: str, **extra: Any) -> int:
+    resp = http.post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+        "temperature": 0, **extra})
+    assert resp.status_code == 200, resp.text
+    return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_requests_share_cached_kv_only_under_the_same_cache_salt(
+        cache_server: RunningServer) -> None:
+    prompt = "a prompt long enough to be worth caching " * 12 + uuid.uuid4().hex
+    with cache_server.client() as http:
+        assert _cached(http, prompt, cache_salt="tenant-a") == 0
+        assert _cached(http, prompt, cache_salt="tenant-a") > 60  # same salt: shared
+        assert _cached(http, prompt, cache_salt="tenant-b") == 0  # another tenant: not
+        assert _cached(http, prompt) == 0  # unsalted requests do not see salted entries
+        resp = http.post("/v1/completions", json={"model": "m", "prompt": prompt,
+                                                  "max_tokens": 2, "cache_salt": "tenant-c"})
+        assert resp.status_code == 200
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 257, 7, ["a"]])
+def test_cache_salt_must_be_a_short_nonempty_string(cache_server: RunningServer,
+                                                    salt: Any) -> None:
+    with cache_server.client() as http:
+        resp = http.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "cache_salt": salt})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "cache_salt"

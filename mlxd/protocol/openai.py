@@ -108,6 +108,8 @@ class SamplingFields(_Lenient):
     regex: str | None = None
     grammar: str | None = None
     guided_json: dict[str, Any] | None = None
+    # vLLM's cache_salt: prompts reuse each other's cached KV only under the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("logit_bias")
     @classmethod

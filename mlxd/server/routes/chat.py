@@ -77,6 +77,7 @@ def generation_request(ctx: ServerContext, req: ChatCompletionRequest) -> Genera
         chat_template_kwargs={**d.chat_template_kwargs, **(req.chat_template_kwargs or {})},
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
+        cache_salt=req.cache_salt,
     )
 
 

@@ -65,7 +65,8 @@ def generation_request(ctx: ServerContext, req: CompletionRequest,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
         constraint=constraint(req.response_format, regex=req.regex, grammar=req.grammar,
-                              guided_json=req.guided_json))
+                              guided_json=req.guided_json),
+        cache_salt=req.cache_salt)
 
 
 def legacy_logprobs(entries: list[TokenLogprob | None], offset: int) -> dict[str, Any]:
