@@ -10,7 +10,7 @@ extends this one (this layer never imports mlx-lm).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,17 +94,27 @@ def parse_json_calls(text: str, tools: list[ToolSpec] | None = None) -> list[Par
     text = text.strip()
     if not text:
         raise ToolParseError("empty tool call")
-    decoder = json.JSONDecoder()
     calls: list[ParsedCall] = []
+    try:
+        for value, _end in json_values(text):
+            calls.extend(calls_from_json_value(value))
+    except json.JSONDecodeError as e:
+        raise ToolParseError(f"tool call is not valid JSON: {text[:200]!r}") from e
+    return calls
+
+
+JSON_SEPARATORS = " \t\r\n;,"
+
+
+def json_values(text: str) -> Iterator[tuple[Any, int]]:
+    """The JSON values in ``text``, separated by whitespace, ``;`` or ``,``: each with
+    the offset where it ends. Raises ``json.JSONDecodeError`` at the first invalid one."""
+    decoder = json.JSONDecoder()
     pos = 0
-    while pos < len(text):
-        while pos < len(text) and text[pos] in " \t\r\n;,":
+    while True:
+        while pos < len(text) and text[pos] in JSON_SEPARATORS:
             pos += 1
         if pos >= len(text):
-            break
-        try:
-            value, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            raise ToolParseError(f"tool call is not valid JSON: {text[:200]!r}") from e
-        calls.extend(calls_from_json_value(value))
-    return calls
+            return
+        value, pos = decoder.raw_decode(text, pos)
+        yield value, pos

@@ -15,7 +15,13 @@ import re
 from typing import Any
 
 from mlxd.generation.params import ToolSpec
-from mlxd.generation.tools import ParsedCall, ToolParseError, calls_from_json_value
+from mlxd.generation.tools import (
+    JSON_SEPARATORS,
+    ParsedCall,
+    ToolParseError,
+    calls_from_json_value,
+    json_values,
+)
 
 # Each retry drops one trailing member; a prefix needing more is given up on.
 _MAX_CUTS = 64
@@ -127,22 +133,15 @@ def _is_object(text: str) -> bool:
 def salvage_calls(body: str, tools: list[ToolSpec]) -> list[ParsedCall]:
     """The calls in a JSON tool-call body cut off mid-way: every complete one
     (``arguments`` a mapping), then the truncated one, if it can be named."""
-    decoder = json.JSONDecoder()
     calls: list[ParsedCall] = []
-    pos = 0
-    while pos < len(body):
-        while pos < len(body) and body[pos] in " \t\r\n;,":
-            pos += 1
-        if pos >= len(body):
-            break
-        try:
-            value, end = decoder.raw_decode(body, pos)
-            complete = calls_from_json_value(value)
-        except (json.JSONDecodeError, ToolParseError):
-            break
-        calls.extend(complete)
-        pos = end
-    tail = body[pos:]
+    pos = 0  # where the values read so far end
+    try:
+        for value, end in json_values(body):
+            calls.extend(calls_from_json_value(value))
+            pos = end
+    except (json.JSONDecodeError, ToolParseError):
+        pass
+    tail = body[pos:].lstrip(JSON_SEPARATORS)
     if tail.strip():
         if tail.lstrip().startswith("["):  # a list of calls: salvage its last element
             tail = tail.lstrip()[1:]
