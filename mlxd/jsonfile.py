@@ -18,13 +18,14 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def fsync_dir(folder: Path) -> None:
-    """Make a rename or creation inside ``folder`` durable (POSIX: fsync the directory)."""
-    dir_fd = os.open(folder, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Flush a file's bytes to disk; for a folder, make a rename or creation inside it
+    durable (POSIX: fsync the directory)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -38,7 +39,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from mlxd.jsonfile import fsync_dir
+from mlxd.jsonfile import fsync_path
 
 
 class OutputExists(ValueError):
@@ -61,11 +61,7 @@ def check_output(out: Path, *, force: bool) -> None:
 def _fsync_tree(folder: Path) -> None:
     for p in folder.rglob("*"):
         if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(p)
 
 
 def publish(staging: Path, out: Path) -> None:
@@ -76,7 +72,7 @@ def publish(staging: Path, out: Path) -> None:
         old = scratch_path(out, "old")
         os.replace(out, old)
     os.replace(staging, out)
-    fsync_dir(out.parent)
+    fsync_path(out.parent)
     if old is not None:
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
