@@ -20,8 +20,8 @@ def test_http_layer_does_not_import_mlx() -> None:
 
 # Layers, highest first: a module imports only from its own layer or from a lower
 # rank (CONTRIBUTING.md, "Layers"). Layers of one rank are peers and never import
-# each other (server/ and workflow/; generation/ and models/; sources/, runtime/
-# and benchmark/).
+# each other (server/ and workflow/; generation/ and models/; sources/, runtime/,
+# benchmark/ and media/).
 LAYERS: dict[str, int] = {
     "__main__": 8,
     "cli": 7,
@@ -30,7 +30,7 @@ LAYERS: dict[str, int] = {
     "protocol": 4,
     "engines": 3,     # the only layer importing mlx*
     "generation": 2, "models": 2,
-    "sources": 1, "runtime": 1, "benchmark": 1,
+    "sources": 1, "runtime": 1, "benchmark": 1, "media": 1,
     "mlxd": 0, "config": 0, "errors": 0, "jsonfile": 0, "blas": 0,  # foundation
 }
 _IMPORT_FUNCS = ("import_module", "__import__")
