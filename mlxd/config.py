@@ -87,6 +87,25 @@ class ServerConfig(BaseSettings):
     encoder_batch_tokens: int = Field(8192, gt=0, description=(
         "padded tokens per embedding / rerank forward pass"))
 
+    # Images and videos sent to vision models (mlxd/media/limits.py)
+    max_image_bytes: int = Field(20 * 1024 * 1024, gt=0, description="bytes per encoded image")
+    max_video_bytes: int = Field(64 * 1024 * 1024, gt=0, description="bytes per encoded video")
+    max_media_bytes: int = Field(128 * 1024 * 1024, gt=0, description=(
+        "bytes of all images and videos of one request together"))
+    max_image_pixels: int = Field(33_177_600, gt=0, description=(
+        "width x height of an image or video frame (default 8K UHD)"))
+    max_images_per_request: int = Field(32, ge=0)
+    max_videos_per_request: int = Field(4, ge=0)
+    max_video_seconds: float = Field(300.0, gt=0, description="video duration (container header)")
+    max_video_frames: int = Field(18_000, gt=0, description=(
+        "frames in a video's container header (before sampling)"))
+    video_fps: float = Field(2.0, gt=0, description="video frames sampled per second")
+    video_max_frames: int = Field(64, gt=0, description="video frames sampled at most")
+    media_fetch_timeout: float = Field(10.0, gt=0, description=(
+        "seconds to fetch one http(s) image or video URL, redirects included"))
+    allow_private_media_urls: bool = Field(False, description=(
+        "fetch media URLs on private, loopback and link-local addresses"))
+
     # Response store (Responses API)
     response_store_max: int = 1000
     response_store_bytes: int = 64 * 1024 * 1024

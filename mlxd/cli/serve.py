@@ -83,6 +83,32 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "type": int, "help": "padded tokens per embedding/rerank batch (default 8192)"}),
     ("--max-rerank-documents", "max_rerank_documents", {"type": int}),
     ("--max-rerank-tokens", "max_rerank_tokens", {"type": int}),
+    ("--max-image-bytes", "max_image_bytes", {"type": int,
+                                              "help": "bytes per image (default 20 MiB)"}),
+    ("--max-video-bytes", "max_video_bytes", {"type": int,
+                                              "help": "bytes per video (default 64 MiB)"}),
+    ("--max-media-bytes", "max_media_bytes", {"type": int,
+                                              "help": "bytes of all images and videos of a "
+                                                      "request (default 128 MiB)"}),
+    ("--max-image-pixels", "max_image_pixels", {"type": int,
+                                                "help": "width x height of an image or video "
+                                                        "frame (default 33177600, 8K UHD)"}),
+    ("--max-images-per-request", "max_images_per_request", {"type": int,
+                                                            "help": "default 32"}),
+    ("--max-videos-per-request", "max_videos_per_request", {"type": int, "help": "default 4"}),
+    ("--max-video-seconds", "max_video_seconds", {"type": float,
+                                                  "help": "video duration (default 300)"}),
+    ("--max-video-frames", "max_video_frames", {"type": int,
+                                                "help": "frames in a video before sampling "
+                                                        "(default 18000)"}),
+    ("--video-fps", "video_fps", {"type": float,
+                                  "help": "video frames sampled per second (default 2)"}),
+    ("--video-max-frames", "video_max_frames", {"type": int,
+                                                "help": "video frames sampled at most, spread "
+                                                        "evenly (default 64)"}),
+    ("--media-fetch-timeout", "media_fetch_timeout", {"type": float,
+                                                      "help": "seconds to fetch one image or "
+                                                              "video URL (default 10)"}),
     ("--home", "home", {"help": "cache folder (default $MLXD_HOME or ~/.cache/mlxd)"}),
 )
 SWITCHES = (
@@ -93,6 +119,8 @@ SWITCHES = (
     ("--trust-remote-code", "trust_remote_code", True, "allow model code from the model folder"),
     ("--no-prefix-cache-persist", "enable_prefix_cache_persist", False,
      "do not save prefix caches on unload/shutdown nor restore them on load"),
+    ("--allow-private-media-urls", "allow_private_media_urls", True,
+     "fetch image/video URLs on private, loopback and link-local addresses (off: refused)"),
 )
 
 

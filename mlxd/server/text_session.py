@@ -18,8 +18,10 @@ from mlxd.engines.base import CHAT, TextGenerator
 from mlxd.errors import InvalidRequest
 from mlxd.generation.events import Event, Finish, Usage
 from mlxd.generation.params import GenerationRequest, SamplingParams
+from mlxd.media.limits import MediaLimits
+from mlxd.media.resolve import has_media, resolve_media
 from mlxd.models.manager import ModelLease
-from mlxd.models.spec import Family, ServingDefaults
+from mlxd.models.spec import Family, ModelKind, ServingDefaults
 from mlxd.server.context import ServerContext
 from mlxd.server.observe import current_record
 
@@ -102,6 +104,19 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
+async def _resolve_media(ctx: ServerContext, model: str, request: GenerationRequest,
+                         family: Family[TextGenerator], endpoint: str) -> None:
+    """A vision model's images and videos, fetched, checked and probed before it is leased
+    (the limits refuse before any load). A text model's media parts are left for its
+    input processor to refuse, unread."""
+    if not request.messages or not has_media(request.messages):
+        return
+    ctx.manager.check_kind(model, family, endpoint)  # a wrong kind is refused before fetching
+    if ctx.manager.get(model).kind is ModelKind.VISION:
+        request.messages = await resolve_media(request.messages,
+                                               MediaLimits.from_config(ctx.config))
+
+
 class TextSession:
     """A leased text model with one prepared request; close it when done.
 
@@ -133,6 +148,7 @@ class TextSession:
                    endpoint: str, family: Family[TextGenerator] = CHAT) -> TextSession:
         if n > ctx.config.max_n:
             raise InvalidRequest(f"n must be at most {ctx.config.max_n}", param="n")
+        await _resolve_media(ctx, model, request, family, endpoint)
         lease = await ctx.manager.acquire(model, family, endpoint)
         try:
             prepared = await lease.engine.prepare(request)

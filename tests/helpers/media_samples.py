@@ -1,0 +1,149 @@
+"""Images, videos and a never-loaded vision model for the media tests (issue 11 item 2)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+from mlxd.engines.registry import ENGINES, EngineRegistry
+from mlxd.models.spec import ModelKind
+
+QWEN2_VL_CONFIG = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+                   "vision_config": {"depth": 2}, "max_position_embeddings": 2048}
+
+
+def png(width: int = 32, height: int = 24, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, "PNG")
+    return out.getvalue()
+
+
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(
+        ">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+
+
+def bomb_png(width: int = 60_000, height: int = 60_000) -> bytes:
+    """A well-formed PNG header claiming ``width x height`` pixels with a few bytes of data:
+    decoding it would allocate width*height*3 bytes (10 GB by default) or fail on the
+    missing rows; a header probe refuses it first."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr)
+            + _chunk(b"IDAT", zlib.compress(b"\0" * 64)) + _chunk(b"IEND", b""))
+
+
+def video(seconds: float = 2.0, fps: int = 10, width: int = 64, height: int = 48) -> bytes:
+    """An MPEG-4 video whose frame i is solid grey level 8*i (PyAV's own encoder)."""
+    import av
+    import numpy as np
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(round(seconds * fps)):
+            rgb = np.full((height, width, 3), (8 * i) % 256, np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(url: str) -> dict[str, object]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def video_part(url: str) -> dict[str, object]:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def vision_folder(root: Path) -> Path:
+    """A qwen2_vl model folder with a config only: detected as vision, never loadable."""
+    folder = root / "tiny-vl-config"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(QWEN2_VL_CONFIG))
+    return folder
+
+
+def servable_vision_engines() -> EngineRegistry:
+    """The default registry, with vision servable even before this install has its engine,
+    so requests reach the media checks; the tests using it never let a model load."""
+    spec = ENGINES[ModelKind.VISION]
+    if spec.engine is None:
+        spec = replace(spec, engine="mlxd.engines.text:MLXLanguageModel", extra=None)
+    return EngineRegistry(specs={**ENGINES, ModelKind.VISION: spec})
+
+
+class MediaSite:
+    """A small HTTP server for fetch tests: ``routes`` maps a path to (status, headers,
+    body); ``/redirect?to=URL`` answers 302 to URL; every request's path and Host header
+    is recorded in ``seen``. ``chunked`` paths stream without a Content-Length."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        import http.server
+        import threading
+        from urllib.parse import parse_qs, urlsplit
+
+        site = self
+        self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+        self.chunked: set[str] = set()
+        self.seen: list[tuple[str, str]] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                site.seen.append((self.path, self.headers.get("Host", "")))
+                parts = urlsplit(self.path)
+                if parts.path == "/redirect":
+                    target = parse_qs(parts.query)["to"][0]
+                    self._send(302, {"Location": target}, b"")
+                    return
+                status, headers, body = site.routes.get(parts.path, (404, {}, b"no"))
+                if parts.path in site.chunked:
+                    self.send_response(status)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for i in range(0, len(body), 4096):
+                        piece = body[i:i + 4096]
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                self._send(status, headers, body)
+
+            def _send(self, status: int, headers: dict[str, str], body: bytes) -> None:
+                self.send_response(status)
+                for key, value in {"Content-Length": str(len(body)), **headers}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.host = host
+        self.port = int(self.server.server_address[1])
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}{path}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
