@@ -8,7 +8,7 @@ BACKEND ?= $(shell if [ "$$(uname)" = "Darwin" ]; then echo metal; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then echo cuda; else echo cpu; fi)
 # `make serve` installs what serving needs; `make test` / `lint` / `bench` add the dev tools,
 # bench plotting and the test-only reference implementations (torch CPU, ...).
-SERVE_EXTRAS ?= $(if $(filter metal,$(BACKEND)),,$(BACKEND),)embeddings
+SERVE_EXTRAS ?= $(if $(filter metal,$(BACKEND)),,$(BACKEND),)embeddings,vision
 TEST_EXTRAS ?= $(SERVE_EXTRAS),bench,dev
 HOST ?= 127.0.0.1
 PORT ?= 8000
