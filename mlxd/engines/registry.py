@@ -55,7 +55,7 @@ ENGINES: Mapping[ModelKind, EngineSpec] = MappingProxyType({
     ModelKind.TEXT: EngineSpec("mlxd.engines.text:MLXLanguageModel", None, "text"),
     ModelKind.EMBEDDING: EngineSpec("mlxd.engines.embeddings:EmbeddingEngine", "embeddings"),
     ModelKind.RERANK: EngineSpec("mlxd.engines.rerank:RerankEngine", "embeddings"),
-    ModelKind.VISION: EngineSpec(None, "vision", "text"),
+    ModelKind.VISION: EngineSpec("mlxd.engines.vision:MLXMultimodalLM", "vision", "text"),
     ModelKind.STT: EngineSpec(None, "audio"),
     ModelKind.TTS: EngineSpec(None, "audio"),
 })
@@ -65,10 +65,12 @@ if TYPE_CHECKING:
     from mlxd.engines.embeddings import EmbeddingEngine
     from mlxd.engines.rerank import RerankEngine
     from mlxd.engines.text import MLXLanguageModel
+    from mlxd.engines.vision import MLXMultimodalLM
 
     _text: type[TextGenerator] = MLXLanguageModel
     _embedding: type[Embedder] = EmbeddingEngine
     _rerank: type[Reranker] = RerankEngine
+    _vision: type[TextGenerator] = MLXMultimodalLM
 
 ModuleProbe = Callable[[str], bool]
 

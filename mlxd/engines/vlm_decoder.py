@@ -1,0 +1,203 @@
+"""A ``Decoder`` (``engines/decoder.py``) over mlx-vlm's continuous ``BatchGenerator``.
+
+Each request's input embeddings are computed alone when it is inserted (the
+vision tower runs once per request, or not at all when the feature cache
+holds its images), then the generator prefills and decodes the batch over the
+language model with per-request embeddings.
+
+mlx-vlm's generator samples the whole batch with one function and stops on
+one set of end tokens, while the scheduler gives every request its own
+sampler, logits processors and stop ids. So each request that needs more than
+greedy decoding gets one row-local logits processor that runs its processors,
+records the log-probabilities the scheduler reports, and then samples with
+the request's own sampler, leaving only the chosen token possible; the
+shared greedy pick then returns exactly that token. Request-specific stop
+ids end the sequence here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from mlxd.engines.decoder import (
+    CacheAndTokens,
+    LogitsProcessor,
+    PromptProgress,
+    Sampler,
+    TokenResponse,
+)
+from mlxd.engines.input_processor import PreparedPrompt
+from mlxd.engines.sampling import greedy
+
+EmbedFn = Callable[[PreparedPrompt], dict[str, Any]]
+_NBYTES_TRIES = 3
+
+
+@dataclass
+class Progress:
+    uid: int
+    end_of_prompt: bool = True
+
+
+@dataclass
+class Token:
+    uid: int
+    token: int
+    logprobs: Any
+    finish_reason: str | None
+    prompt_cache: list[Any] | None = None
+    all_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Stats:
+    generation_steps: int = 0
+    decode_time: float = 0.0
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0
+
+
+@dataclass
+class _Row:
+    """What the adapter keeps for one sequence in the generator."""
+
+    stop: set[int]
+    tokens: list[int]
+    logprobs: deque[Any] = field(default_factory=deque)
+    wants_logprobs: bool = False
+
+
+class RowSampler:
+    """One request's processors and sampler, as a row-local mlx-vlm logits processor."""
+
+    def __init__(self, row: _Row, sampler: Sampler, processors: list[LogitsProcessor]) -> None:
+        self.row, self.sampler, self.processors = row, sampler, processors
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        for p in self.processors:
+            logits = p(tokens, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        self.row.logprobs.append(logprobs[0])
+        if self.sampler is greedy:
+            return logits
+        choice = self.sampler(logprobs)
+        # Only the chosen token stays possible: the batch's greedy pick returns it.
+        hot = mx.arange(logits.shape[-1]) == choice.reshape(-1, 1)
+        return mx.where(hot, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, logits.dtype))
+
+
+class VLMBatchDecoder:
+    """Continuous batching over ``mlx_vlm.generate.BatchGenerator``."""
+
+    def __init__(self, model: Any, processor: Any, embed: EmbedFn, *, eos_ids: list[int],
+                 max_num_seqs: int, prefill_step_size: int) -> None:
+        self.model = model
+        self.processor = processor
+        self._embed = embed
+        self._eos = sorted(eos_ids)
+        self._max_num_seqs = max_num_seqs
+        self._prefill_step_size = prefill_step_size
+        self._rows: dict[int, _Row] = {}
+        self._stats = Stats()
+        self._gen = self._new_generator()
+
+    def _new_generator(self) -> Any:
+        from mlx_vlm.generate import BatchGenerator
+
+        self._rows.clear()
+        return BatchGenerator(
+            self.model.language_model, self.processor, max_tokens=1,
+            stop_tokens=set(self._eos), completion_batch_size=self._max_num_seqs,
+            prefill_batch_size=self._max_num_seqs, prefill_step_size=self._prefill_step_size,
+            compute_logprobs=False, stream=mx.default_stream(mx.default_device()))
+
+    # -- the Decoder interface -------------------------------------------------
+    def insert(self, prompt: PreparedPrompt, n_cached: int, cache: list[Any] | None,
+               sampler: Sampler, processors: list[LogitsProcessor], stop: set[int],
+               max_tokens: int) -> int:
+        kwargs = self._embed(prompt)  # the whole prompt: no prefix cache for vision (yet)
+        row = _Row(stop=set(stop), tokens=list(prompt.tokens),
+                   wants_logprobs=bool(processors) or sampler is not greedy)
+        proc = [RowSampler(row, sampler, processors)] if row.wants_logprobs else None
+        (uid,) = self._gen.insert([list(prompt.tokens)], max_tokens=[max_tokens],
+                                  prompt_kwargs=[kwargs], logits_processors=[proc])
+        self._rows[int(uid)] = row
+        return int(uid)
+
+    def next(self) -> tuple[list[PromptProgress], list[TokenResponse]]:
+        t0 = time.perf_counter()
+        prompt_before = self._gen._prompt_tokens_counter
+        had_decoding = len(self._gen._generation_batch) > 0
+        progress, responses = self._gen.next()
+        elapsed = time.perf_counter() - t0
+        if had_decoding and responses:
+            self._stats.generation_steps += 1
+            self._stats.decode_time += elapsed
+        prompt_tokens = self._gen._prompt_tokens_counter - prompt_before
+        if prompt_tokens:
+            self._stats.prompt_tokens += prompt_tokens
+            self._stats.prompt_time += elapsed
+        done: list[PromptProgress] = [Progress(int(p.uid)) for p in progress]
+        return done, self._responses(responses)
+
+    def _responses(self, responses: list[Any]) -> list[TokenResponse]:
+        out: list[TokenResponse] = []
+        ended: list[int] = []
+        for r in responses:
+            uid, token = int(r.uid), int(r.token)
+            row = self._rows.get(uid)
+            if row is None:
+                continue
+            lp = row.logprobs.popleft() if row.logprobs else None
+            reason = r.finish_reason
+            if reason is None and token in row.stop:
+                reason = "stop"
+                ended.append(uid)
+            row.tokens.append(token)
+            out.append(Token(uid, token, lp, reason, all_tokens=list(row.tokens)))
+            if reason is not None:
+                self._rows.pop(uid, None)
+        for uid in ended:
+            self._gen.remove(uid)
+        return out
+
+    @contextmanager
+    def stats(self) -> Iterator[Stats]:
+        self._stats = Stats()
+        yield self._stats
+
+    def remove(self, uids: list[int], return_caches: bool = False) -> dict[int, CacheAndTokens]:
+        for uid in uids:
+            self._gen.remove(uid)
+            self._rows.pop(uid, None)
+        return {}
+
+    def extract_cache(self, uids: list[int]) -> dict[int, CacheAndTokens]:
+        return {}
+
+    def set_prefill_chunk(self, tokens: int) -> None:
+        self._gen.prefill_step_size = tokens
+
+    def cache_nbytes(self) -> int:
+        for _ in range(_NBYTES_TRIES):
+            try:
+                caches = list(self._gen._generation_batch.prompt_cache or [])
+                return sum(int(getattr(c, "nbytes", 0)) for c in caches)
+            except (RuntimeError, IndexError, AttributeError, TypeError):
+                continue  # the worker changed the batch meanwhile
+        return 0
+
+    def reset(self) -> None:
+        self._gen.close()
+        self._gen = self._new_generator()
+
+    def close(self) -> None:
+        self._gen.close()
+        self._rows.clear()
