@@ -124,7 +124,8 @@ class VLMBatchDecoder:
                max_tokens: int) -> int:
         kwargs = self._embed(prompt)  # the whole prompt: no prefix cache for vision (yet)
         row = _Row(stop=set(stop), tokens=list(prompt.tokens),
-                   wants_logprobs=bool(processors) or sampler is not greedy)
+                   wants_logprobs=(bool(processors) or sampler is not greedy
+                                   or prompt.request.logprobs))
         proc = [RowSampler(row, sampler, processors)] if row.wants_logprobs else None
         (uid,) = self._gen.insert([list(prompt.tokens)], max_tokens=[max_tokens],
                                   prompt_kwargs=[kwargs], logits_processors=[proc])
