@@ -91,6 +91,15 @@ class SerialDecoder(Protocol):
     """One sequence at a time, for models whose KV caches cannot be batched."""
 
     def start(self, prompt: PreparedPrompt, sampler: Sampler,
-              processors: list[LogitsProcessor], max_tokens: int
-              ) -> Iterator[tuple[Any, mx.array]]:
-        """An iterator of ``(token, logprobs)``, one per decode step."""
+              processors: list[LogitsProcessor], max_tokens: int,
+              cache: list[Any] | None = None, n_cached: int = 0,
+              checkpoint_prompt: bool = False) -> Iterator[tuple[Any, mx.array]]:
+        """An iterator of ``(token, logprobs)``, one per decode step. ``cache`` (when
+        given) covers the first ``n_cached`` prompt tokens; ``checkpoint_prompt`` asks
+        for ``prompt_state``."""
+
+    def prompt_state(self) -> CacheAndTokens | None:
+        """A copy of the cache after the prompt (all but its last token) and those tokens."""
+
+    def final_state(self) -> CacheAndTokens | None:
+        """The ended generation's cache and the tokens it covers (prompt and output)."""

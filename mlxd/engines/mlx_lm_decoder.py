@@ -23,6 +23,7 @@ from mlxd.engines.decoder import (
     StepStats,
     TokenResponse,
 )
+from mlxd.engines.hybrid_cache import SerialRun, prefill, snapshot, with_context
 from mlxd.engines.input_processor import PreparedPrompt
 
 # Reading the batch's cache size from another thread can meet the worker
@@ -35,11 +36,13 @@ class LMBatchDecoder:
     """Continuous batching over mlx-lm's ``BatchGenerator``."""
 
     def __init__(self, model: Any, *, eos_ids: list[int], max_num_seqs: int,
-                 prefill_step_size: int) -> None:
+                 prefill_step_size: int, prefill_batch_size: int | None = None) -> None:
         self.model = model
         self._eos = sorted(eos_ids)
         self._max_num_seqs = max_num_seqs
         self._prefill_step_size = prefill_step_size
+        # prompts prefilled together (1 for hybrids whose recurrent layers ignore padding)
+        self._prefill_batch_size = prefill_batch_size or max_num_seqs
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -48,7 +51,7 @@ class LMBatchDecoder:
             max_tokens=1,
             stop_tokens=[[t] for t in self._eos],
             completion_batch_size=self._max_num_seqs,
-            prefill_batch_size=self._max_num_seqs,
+            prefill_batch_size=self._prefill_batch_size,
             prefill_step_size=self._prefill_step_size,
             stream=mx.default_stream(mx.default_device()),
         )
@@ -100,16 +103,42 @@ class LMBatchDecoder:
 
 
 class LMSerialDecoder:
-    """One sequence at a time through mlx-lm's ``generate_step`` (unbatchable caches)."""
+    """One sequence at a time through mlx-lm's ``generate_step`` (unbatchable caches).
+
+    The prompt but its last token is prefilled here, so its state can be
+    checkpointed for the prefix cache before decoding starts.
+    """
 
     def __init__(self, model: Any, *, prefill_step_size: int) -> None:
         self.model = model
         self.prefill_step_size = prefill_step_size
+        self._run: SerialRun | None = None
 
     def start(self, prompt: PreparedPrompt, sampler: Sampler,
-              processors: list[LogitsProcessor], max_tokens: int
-              ) -> Iterator[tuple[Any, mx.array]]:
-        return generate_step(
-            mx.array(prompt.tokens), self.model, max_tokens=max_tokens, sampler=sampler,
-            logits_processors=processors, prompt_cache=make_prompt_cache(self.model),
-            prefill_step_size=self.prefill_step_size)
+              processors: list[LogitsProcessor], max_tokens: int,
+              cache: list[Any] | None = None, n_cached: int = 0,
+              checkpoint_prompt: bool = False) -> Iterator[tuple[Any, mx.array]]:
+        tokens = prompt.tokens
+        cache = cache if cache is not None else make_prompt_cache(self.model)
+        prefill(self.model, cache, tokens[n_cached:-1], self.prefill_step_size)
+        head = tokens[:-1]
+        state = (snapshot(cache), head) if checkpoint_prompt and head else None
+        self._run = run = SerialRun(cache, tokens, state)
+        steps = generate_step(
+            mx.array(tokens[-1:]), self.model, max_tokens=max_tokens, sampler=sampler,
+            logits_processors=[with_context(p, head) for p in processors],
+            prompt_cache=cache, prefill_step_size=self.prefill_step_size)
+        return run.track(steps)
+
+    def prompt_state(self) -> CacheAndTokens | None:
+        """The checkpoint of the running prompt (``checkpoint_prompt``), taken once."""
+        run = self._run
+        if run is None:
+            return None
+        state, run.prompt_state = run.prompt_state, None
+        return state
+
+    def final_state(self) -> CacheAndTokens | None:
+        """The ended generation's cache and the tokens it covers."""
+        run, self._run = self._run, None
+        return run.final_state() if run else None

@@ -109,10 +109,14 @@ class PrefixCache:
             self.misses += 1
             return None, 0
         n_cached = len(tokens) - len(rest)
-        if n_cached >= len(tokens):
-            if not can_trim_prompt_cache(cache):
-                self.misses += 1
-                return None, 0
+        if n_cached >= len(tokens) and not can_trim_prompt_cache(cache):
+            # A recurrent state covers exactly its tokens: use the nearest entry
+            # that stops before the last token instead.
+            with self._lock:
+                cache, rest = self._cache.fetch_nearest_cache(
+                    namespace or self._text_namespace, tokens[:-1])
+            n_cached = len(tokens) - 1 - len(rest) if cache is not None else 0
+        elif n_cached >= len(tokens):
             trim_prompt_cache(cache, n_cached - (len(tokens) - 1))
             n_cached = len(tokens) - 1
         if n_cached <= 0:

@@ -456,16 +456,17 @@ class BatchScheduler(SchedulerBase):
 class SerialScheduler(SchedulerBase):
     """One sequence at a time through a ``SerialDecoder``; queued requests wait.
 
-    No prefix cache: serial mode serves models whose caches cannot be merged or
-    trimmed, so every prompt is prefilled in full.
+    With a prefix cache, a prompt resumes from the longest cached state it
+    extends, and checkpoints are stored at the end of its prompt and of its
+    generation (the decoder's ``prompt_state`` / ``final_state``).
     """
 
     mode = "serial"
 
     def __init__(self, decoder: SerialDecoder, tokenizer: Any, *, max_queue: int,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], prefix_cache: PrefixCache | None = None) -> None:
         super().__init__(tokenizer, max_num_seqs=1, max_queue=max_queue,
-                         prefix_cache=None, wake=wake)
+                         prefix_cache=prefix_cache, wake=wake)
         self.decoder = decoder
         self._current: tuple[Sequence, Iterator[tuple[Any, Any]]] | None = None
 
@@ -511,15 +512,30 @@ class SerialScheduler(SchedulerBase):
             self._end(seq, "length")
 
     def _start(self, seq: Sequence) -> None:
+        prompt, pc = seq.prompt, self.prefix_cache
+        cache, n_cached = None, 0
+        if pc is not None:
+            seq.cache_key = pc.namespace(prompt.media_hashes, prompt.cache_salt)
+            cache, n_cached = pc.fetch(prompt.tokens, seq.cache_key)
+        seq.pipeline.set_cached_tokens(n_cached)
         seq.admitted()
-        steps = self.decoder.start(seq.prompt, self._guarded_sampler(seq),
-                                   self._guarded_processors(seq), seq.max_tokens)
+        steps = self.decoder.start(
+            prompt, self._guarded_sampler(seq), self._guarded_processors(seq), seq.max_tokens,
+            cache=cache, n_cached=n_cached,
+            checkpoint_prompt=pc is not None
+            and len(prompt.tokens) >= IN_FLIGHT_CACHE_MIN_TOKENS)
         self._current = (seq, steps)
         self.running = {0: seq}
+        state = self.decoder.prompt_state() if pc is not None else None
+        if pc is not None and state is not None:
+            pc.insert(list(state[1]), state[0], seq.cache_key)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self._current = None
         self.running.clear()
+        state = self.decoder.final_state()
+        if self.prefix_cache is not None and state is not None and reason != "error":
+            self.prefix_cache.insert(list(state[1]), state[0], seq.cache_key)
         self._finish(seq, reason, seq.error if reason == "error" else None)
 
     def _reset_after_failure(self) -> None:

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from mlxd.engines.base import Tokenized
 from mlxd.engines.device import weights_nbytes
+from mlxd.engines.hybrid_cache import can_batch, prefill_batch_size
 from mlxd.engines.input_processor import InputLimits, InputProcessor, PreparedPrompt
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
 from mlxd.engines.prefix_cache import PrefixCache, model_identity
@@ -156,18 +157,20 @@ class MLXLanguageModel:
         if opts.prefix_cache_bytes > 0:
             self.prefix_cache = PrefixCache(opts.prefix_cache_bytes,
                                             identity=model_identity(self.path))
-        if opts.batching and all(hasattr(c, "merge") for c in probe_cache):
+        if opts.batching and can_batch(probe_cache):
+            prefill_batch = prefill_batch_size(str(self.config.get("model_type", "")),
+                                               probe_cache, opts.max_num_seqs)
             decoder = LMBatchDecoder(model, eos_ids=list(self.tokenizer.eos_token_ids),
                                      max_num_seqs=opts.max_num_seqs,
-                                     prefill_step_size=opts.prefill_step_size)
+                                     prefill_step_size=opts.prefill_step_size,
+                                     prefill_batch_size=prefill_batch)
             return BatchScheduler(
                 decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
                 max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
                 prefix_cache=self.prefix_cache, wake=self.worker.wake)
-        self.prefix_cache = None  # serial mode does not track cache contents
         return SerialScheduler(
             LMSerialDecoder(model, prefill_step_size=opts.prefill_step_size), self.tokenizer,
-            max_queue=opts.max_queue, wake=self.worker.wake)
+            max_queue=opts.max_queue, wake=self.worker.wake, prefix_cache=self.prefix_cache)
 
     def _build_parsers(self) -> None:
         """Fresh tokenizer-derived parser choices for this load."""
