@@ -8,16 +8,16 @@ BACKEND ?= $(shell if [ "$$(uname)" = "Darwin" ]; then echo metal; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then echo cuda; else echo cpu; fi)
 # `make serve` installs what serving needs; `make test` / `lint` / `bench` add the dev tools,
 # bench plotting and the test-only reference implementations (torch CPU, ...).
-SERVE_EXTRAS ?= $(if $(filter metal,$(BACKEND)),,$(BACKEND),)embeddings,vision
+SERVE_EXTRAS ?= $(if $(filter metal,$(BACKEND)),,$(BACKEND),)embeddings,audio,vision
 TEST_EXTRAS ?= $(SERVE_EXTRAS),bench,dev
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test serve test lint format bench clean openblas chromium
+.PHONY: setup setup-test serve test lint format bench clean openblas chromium espeak-ng
 
-setup: $(VENV)/.mlxd-installed openblas
+setup: $(VENV)/.mlxd-installed openblas espeak-ng
 
 setup-test: setup $(VENV)/.mlxd-test-installed chromium
 
@@ -74,6 +74,19 @@ chromium:
 	     || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1)) \
 	    || echo "note: could not install chromium + chromium-driver; the playground's browser test will skip"; \
 	  else echo "note: the playground's browser test needs: sudo apt-get install chromium chromium-driver"; fi; \
+	fi
+
+# Piper (and Kokoro) voices take their phonemes from Debian's espeak-ng program, run as a
+# subprocess (no GPL code linked in). Best effort like openblas: only as root with apt-get;
+# never fails. ESPEAK=skip skips.
+ESPEAK ?= install
+espeak-ng:
+	@if [ "$(ESPEAK)" = install ] && ! command -v espeak-ng >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get install -y -q espeak-ng >/dev/null 2>&1 \
+	     || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q espeak-ng >/dev/null 2>&1)) \
+	    || echo "note: could not install espeak-ng; text-to-speech voices will not load"; \
+	  else echo "note: text-to-speech voices need espeak-ng (sudo apt-get install espeak-ng, brew install espeak-ng)"; fi; \
 	fi
 
 bench: setup-test

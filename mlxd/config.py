@@ -106,6 +106,10 @@ class ServerConfig(BaseSettings):
     allow_private_media_urls: bool = Field(False, description=(
         "fetch media URLs on private, loopback and link-local addresses"))
 
+    # Text sent to text-to-speech models (OpenAI's own limit is 4096)
+    max_speech_input_chars: int = Field(4096, gt=0, description=(
+        "characters of one /v1/audio/speech input"))
+
     # Response store (Responses API)
     response_store_max: int = 1000
     response_store_bytes: int = 64 * 1024 * 1024

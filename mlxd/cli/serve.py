@@ -109,6 +109,8 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--media-fetch-timeout", "media_fetch_timeout", {"type": float,
                                                       "help": "seconds to fetch one image or "
                                                               "video URL (default 10)"}),
+    ("--max-speech-input-chars", "max_speech_input_chars", {
+        "type": int, "help": "characters of one text-to-speech input (default 4096)"}),
     ("--home", "home", {"help": "cache folder (default $MLXD_HOME or ~/.cache/mlxd)"}),
 )
 SWITCHES = (

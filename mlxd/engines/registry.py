@@ -22,7 +22,13 @@ from mlxd.errors import ModelLoadError
 from mlxd.models.spec import ModelKind
 
 if TYPE_CHECKING:
-    from mlxd.engines.base import Embedder, ModelEngine, Reranker, TextGenerator
+    from mlxd.engines.base import (
+        Embedder,
+        ModelEngine,
+        Reranker,
+        SpeechSynthesizer,
+        TextGenerator,
+    )
     from mlxd.runtime.worker import ModelWorker
 
 
@@ -48,7 +54,7 @@ class EngineSpec:
 EXTRA_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "embeddings": ("mlx_embeddings", "transformers"),
     "vision": ("mlx_vlm", "PIL"),
-    "audio": ("mlx_whisper", "mlx_audio"),
+    "audio": ("mlx_whisper", "mlx_audio", "av", "onnxruntime"),
 })
 
 ENGINES: Mapping[ModelKind, EngineSpec] = MappingProxyType({
@@ -57,7 +63,7 @@ ENGINES: Mapping[ModelKind, EngineSpec] = MappingProxyType({
     ModelKind.RERANK: EngineSpec("mlxd.engines.rerank:RerankEngine", "embeddings"),
     ModelKind.VISION: EngineSpec("mlxd.engines.vision:MLXMultimodalLM", "vision", "text"),
     ModelKind.STT: EngineSpec(None, "audio"),
-    ModelKind.TTS: EngineSpec(None, "audio"),
+    ModelKind.TTS: EngineSpec("mlxd.engines.tts:TTSEngine", "audio"),
 })
 
 if TYPE_CHECKING:
@@ -65,11 +71,13 @@ if TYPE_CHECKING:
     from mlxd.engines.embeddings import EmbeddingEngine
     from mlxd.engines.rerank import RerankEngine
     from mlxd.engines.text import MLXLanguageModel
+    from mlxd.engines.tts import TTSEngine
     from mlxd.engines.vision import MLXMultimodalLM
 
     _text: type[TextGenerator] = MLXLanguageModel
     _embedding: type[Embedder] = EmbeddingEngine
     _rerank: type[Reranker] = RerankEngine
+    _tts: type[SpeechSynthesizer] = TTSEngine
     _vision: type[TextGenerator] = MLXMultimodalLM
 
 ModuleProbe = Callable[[str], bool]

