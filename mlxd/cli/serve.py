@@ -69,6 +69,16 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                             "help": "seconds to send a request head (default 20)"}),
     ("--body-timeout", "body_timeout", {"type": float,
                                         "help": "seconds a request body may stall (default 60)"}),
+    ("--hosts", "hosts", {"help": "shard one text model over these hosts (comma list or "
+                                  "hostfile, as mlx.launch takes them; see docs/scaling.md)"}),
+    ("--backend", "backend", {"choices": ["ring", "jaccl", "mpi"],
+                              "help": "mx.distributed backend with --hosts (default ring)"}),
+    ("--group-port", "group_port", {"type": int,
+                                    "help": "rank 0's control port with --hosts (default 47100; "
+                                            "the ring uses the next ports)"}),
+    ("--group-timeout", "group_timeout", {"type": float,
+                                          "help": "seconds without a heartbeat before a rank "
+                                                  "counts as dead (default 10)"}),
     ("--drain-timeout", "drain_timeout", {"type": float,
                                           "help": "on SIGTERM, seconds in-flight requests "
                                                   "and streams may take to finish (default 5)"}),
@@ -200,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mlxd.engines.factory import build_loader
-    from mlxd.engines.registry import EngineRegistry
+    from mlxd.engines.registry import ENGINES, EngineRegistry
     from mlxd.models.catalog import CatalogError, build_catalog
     from mlxd.models.registry import RegistryError
     from mlxd.server.app import build_app
@@ -208,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     if blas.action == "error":
+    from mlxd.cli.serve_distributed import sharded_engines
         console.print(f"[red]error:[/red] {blas.reason}")
         return 2
     if sys.platform.startswith("linux"):
@@ -228,8 +239,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2
-    engines = EngineRegistry()
+    engines = EngineRegistry(sharded_engines() if config.hosts else ENGINES)
     loader = build_loader(config, catalog.policy.budget_bytes, _progress_factory(console),
+    if config.hosts:
+        from mlxd.cli.serve_distributed import start_rank
+
+        code = start_rank(config, sys.argv[1:])
+        if code is not None:  # the launcher, or a follower rank: no HTTP here
+            return code
                           engines)
     if not args.no_preload:
         chat = catalog.aliases.get("default")

@@ -17,6 +17,7 @@ from mlxd.engines.registry import EngineRegistry
 from mlxd.models.loading import ModelLoader, ProgressFactory, SourceResolver
 from mlxd.models.memory import prefix_cache_bytes
 from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.runtime.distributed import group_options
 from mlxd.runtime.worker import ModelWorker
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class EngineFactory:
             tool_call_parser=entry.tool_call_parser or cfg.tool_call_parser,
             trust_remote_code=entry.trust_remote_code,
             prefix_cache_dir=(cfg.prefix_cache_dir / safe_name
-                              if cfg.enable_prefix_cache_persist else None))
+                              if cfg.enable_prefix_cache_persist and not cfg.hosts else None),
+            group=group_options(cfg))
 
     def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
         """Construct and load the kind's engine from the local folder ``path``."""

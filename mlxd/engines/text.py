@@ -43,6 +43,7 @@ from mlxd.generation.params import GenerationRequest
 from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
 from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
 from mlxd.generation.tools import ToolCallFormat
+from mlxd.runtime.distributed import GroupOptions
 from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class TextEngineOptions:
     tool_call_parser: str | None = None
     trust_remote_code: bool = False
     prefix_cache_dir: Path | None = None
+    group: GroupOptions | None = None  # set when the model is sharded over a group
 
 
 __all__ = ["MLXLanguageModel", "PreparedPrompt", "TextEngineOptions", "context_length_of"]
@@ -114,12 +116,9 @@ class MLXLanguageModel:
     # -- lifecycle (worker thread) -----------------------------------------
     def load(self) -> None:
         from mlx_lm.models.cache import make_prompt_cache
-        from mlx_lm.utils import load
 
         try:
-            model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], load(
-                str(self.path), return_config=True,
-                trust_remote_code=self.options.trust_remote_code))
+            model, tokenizer, config = self._load_model()
         except Exception as e:
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -138,6 +137,13 @@ class MLXLanguageModel:
             restored = self.prefix_cache.restore(self.options.prefix_cache_dir)
             if restored:
                 log.info("model %s: restored %d prefix cache entries", self.name, restored)
+
+    def _load_model(self) -> tuple[Any, Any, dict[str, Any]]:
+        """Weights, tokenizer and config (a sharded engine loads its shard instead)."""
+        from mlx_lm.utils import load
+
+        return cast(tuple[Any, Any, dict[str, Any]], load(
+            str(self.path), return_config=True, trust_remote_code=self.options.trust_remote_code))
 
     def _input_processor(self, config: dict[str, Any]) -> InputProcessor:
         """This load's prompt preparation: its tokenizer, limits, parsers and grammar."""

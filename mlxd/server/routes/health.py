@@ -20,11 +20,16 @@ async def health(response: Response, ctx: ServerContext = Depends(get_ctx)) -> d
     Still HTTP 200: the process answers and other models serve; a broken
     model recovers by unloading it (the next request loads it again). While
     shutting down it is ``draining`` with HTTP 503, so load balancers take the
-    replica out while its in-flight requests finish (server/drain.py).
+    replica out while its in-flight requests finish (server/drain.py). A server
+    sharded over a group (``--hosts``) whose group broke is ``unhealthy`` with 503.
     """
     residencies = ctx.manager.residencies()
     unhealthy = {r.name: fault for r in residencies if (fault := r.health()) is not None}
     status = "degraded" if unhealthy else "ok"
+    if unhealthy and ctx.config.hosts:
+        # One sharded model is the whole server (--hosts): a broken group serves nothing.
+        status = "unhealthy"
+        response.status_code = 503
     if ctx.drain.draining:
         status = "draining"
         response.status_code = 503

@@ -57,6 +57,7 @@ class ManagerCollector:
                                     "each running sequence)", labels=["model"])
         batch = HistogramMetricFamily("mlxd_batch_size", "Sequences in the batch, observed "
                                       "once per scheduler step", labels=["model"])
+        group = _GroupGauges()
         for res in manager.residencies():
             for s in State:
                 state.add_metric([res.name, str(res.kind), str(s)], 1 if res.state == s else 0)
@@ -73,8 +74,33 @@ class ManagerCollector:
             if "batch_sizes" in stats:
                 steps.add_metric([res.name], stats.get("steps", 0))
                 batch.add_metric([res.name], *_batch_buckets(stats["batch_sizes"]))
+            if isinstance(stats.get("group"), dict):
+                group.add(res.name, stats["group"])
         yield from (state, memory, loads, leases, running, waiting, cache, hits, lookups, steps,
-                    batch)
+                    batch, *group.families())
+
+
+class _GroupGauges:
+    """A sharded model's group: its size and backend, health, and each rank's memory."""
+
+    def __init__(self) -> None:
+        self.size = GaugeMetricFamily("mlxd_group_size", "Ranks a sharded model is split over",
+                                      labels=["model", "backend", "split"])
+        self.healthy = GaugeMetricFamily("mlxd_group_healthy", "1 while every rank of the "
+                                         "sharded model's group answers", labels=["model"])
+        self.memory = GaugeMetricFamily("mlxd_group_rank_memory_bytes", "Memory each rank "
+                                        "holds (rank 0: its model; others: MLX active "
+                                        "memory)", labels=["model", "rank"])
+
+    def add(self, model: str, info: dict[str, Any]) -> None:
+        self.size.add_metric([model, str(info.get("backend")), str(info.get("split"))],
+                             info.get("size", 0))
+        self.healthy.add_metric([model], 1 if info.get("healthy") else 0)
+        for rank in info.get("ranks", []):
+            self.memory.add_metric([model, str(rank.get("rank"))], rank.get("memory_bytes", 0))
+
+    def families(self) -> list[Any]:
+        return [self.size, self.healthy, self.memory]
 
 
 def _batch_buckets(counts: list[int]) -> tuple[list[tuple[str, float]], float]:
