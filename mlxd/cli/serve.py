@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     blas = reexec_with_openblas(getattr(args, "blas", None))  # may re-exec this command
     from rich.console import Console
 
+    from mlxd.cli.serve_distributed import sharded_engines
     from mlxd.engines.factory import build_loader
     from mlxd.engines.registry import ENGINES, EngineRegistry
     from mlxd.models.catalog import CatalogError, build_catalog
@@ -218,7 +219,6 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     if blas.action == "error":
-    from mlxd.cli.serve_distributed import sharded_engines
         console.print(f"[red]error:[/red] {blas.reason}")
         return 2
     if sys.platform.startswith("linux"):
@@ -232,6 +232,12 @@ def run(args: argparse.Namespace) -> int:
     from mlxd.server.logs import configure_logging
 
     uvicorn_logging = configure_logging(config.log_level, config.log_format)
+    if config.hosts:
+        from mlxd.cli.serve_distributed import start_rank
+
+        code = start_rank(config, sys.argv[1:])
+        if code is not None:  # the launcher, or a follower rank: no HTTP here
+            return code
     from mlxd.models.qualification import check_qualified
 
     try:
@@ -241,12 +247,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     engines = EngineRegistry(sharded_engines() if config.hosts else ENGINES)
     loader = build_loader(config, catalog.policy.budget_bytes, _progress_factory(console),
-    if config.hosts:
-        from mlxd.cli.serve_distributed import start_rank
-
-        code = start_rank(config, sys.argv[1:])
-        if code is not None:  # the launcher, or a follower rank: no HTTP here
-            return code
                           engines)
     if not args.no_preload:
         chat = catalog.aliases.get("default")
