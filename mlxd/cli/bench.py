@@ -18,6 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from mlxd.cli.bench_trace import add_arguments as add_trace_arguments
+from mlxd.cli.bench_trace import run_trace
+
 # The default level sizes: each level sends this many requests per stream.
 REQUESTS_PER_STREAM = 2
 MAX_REQUESTS = 100_000
@@ -41,8 +44,9 @@ def add_parser(sub: Any, name: str, help_text: str) -> None:
         "docs/benchmarks.md)."))
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)")
     p.add_argument("--model", default="default", help="model name sent in every request")
-    p.add_argument("--api", choices=["chat", "completions"], default="chat",
-                   help="/v1/chat/completions (default) or /v1/completions")
+    p.add_argument("--api", choices=["chat", "completions", "messages"], default=None,
+                   help="/v1/chat/completions (default), /v1/completions, or /v1/messages "
+                        "(--trace only; its default)")
     p.add_argument("--api-key", default=os.environ.get("MLXD_API_KEY"),
                    help="Bearer key (default $MLXD_API_KEY)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 8, 16],
@@ -52,7 +56,8 @@ def add_parser(sub: Any, name: str, help_text: str) -> None:
     p.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length")
     p.add_argument("--shared-prefix-tokens", type=int, default=0,
                    help="leading prompt tokens shared by every request")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="output tokens per request (default 64; 256 with --trace)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--multi-turn", type=int, default=1, metavar="N",
                    help="N-turn conversations; each turn counts as one request")
@@ -70,6 +75,7 @@ def add_parser(sub: Any, name: str, help_text: str) -> None:
     p.add_argument("--allow-remote", action="store_true",
                    help="allow a target that is not this machine (loopback)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_trace_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -86,7 +92,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--plot needs matplotlib, which this install lacks: pip install 'mlxd[bench]'"
     if args.requests is not None and not 1 <= args.requests <= MAX_REQUESTS:
         return f"--requests must be between 1 and {MAX_REQUESTS}"
-    if args.prompt_tokens < 1 or args.max_tokens < 1 or args.multi_turn < 1:
+    if args.prompt_tokens < 1 or (args.max_tokens or 1) < 1 or args.multi_turn < 1:
         return "--prompt-tokens, --max-tokens and --multi-turn must be at least 1"
     if not 0 <= args.shared_prefix_tokens <= args.prompt_tokens:
         return "--shared-prefix-tokens must be between 0 and --prompt-tokens"
@@ -139,9 +145,17 @@ def run(args: argparse.Namespace) -> int:
     from mlxd.benchmark.prompts import PromptSpec
     from mlxd.benchmark.report import markdown_table, plot_levels, write_json
 
+    if args.trace is None and args.write_trace is None:
+        args.api = args.api or "chat"
+        args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
     problem = check_args(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if args.trace is not None or args.write_trace is not None:
+        return run_trace(args)
+    if args.api == "messages":
+        print("error: --api messages needs --trace", file=sys.stderr)
         return 2
     target = Target(url=args.url, model=args.model, api=args.api, api_key=args.api_key)
     spec = PromptSpec(prompt_tokens=args.prompt_tokens,
