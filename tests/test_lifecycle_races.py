@@ -388,7 +388,8 @@ def test_a_dead_worker_thread_shows_fails_fast_and_recovers_on_unload(
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_unhealthy"
         assert http.post("/v1/models/unload", json={"model": "t"}).status_code == 200
         assert _ask(http).status_code == 200  # reloaded with a new worker
-        assert http.get("/health").json() == {**health, "status": "ok", "unhealthy": {}}
+        assert http.get("/health").json() == {**health, "status": "ok", "unhealthy": {},
+                                              "ready": True}
 
 
 def test_an_encoder_whose_every_batch_fails_is_reported_broken() -> None:

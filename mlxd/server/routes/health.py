@@ -22,6 +22,8 @@ async def health(response: Response, ctx: ServerContext = Depends(get_ctx)) -> d
     shutting down it is ``draining`` with HTTP 503, so load balancers take the
     replica out while its in-flight requests finish (server/drain.py). A server
     sharded over a group (``--hosts``) whose group broke is ``unhealthy`` with 503.
+    ``ready`` is true when a model is loaded and nothing is broken or draining;
+    ``load`` counts running and queued sequences, for a router to balance on.
     """
     residencies = ctx.manager.residencies()
     unhealthy = {r.name: fault for r in residencies if (fault := r.health()) is not None}
@@ -34,6 +36,22 @@ async def health(response: Response, ctx: ServerContext = Depends(get_ctx)) -> d
         status = "draining"
         response.status_code = 503
         response.headers["Retry-After"] = str(round(RETRY_AFTER_S))
+    loaded = [r for r in residencies if r.state == State.LOADED]
     return {"status": status, "models": len(residencies),
-            "loaded": [r.name for r in residencies if r.state == State.LOADED],
-            "unhealthy": unhealthy}
+            "loaded": [r.name for r in loaded], "unhealthy": unhealthy,
+            "ready": bool(loaded) and response.status_code in (None, 200) and not unhealthy,
+            "load": _load(loaded)}
+
+
+def _load(loaded: list[Any]) -> dict[str, int]:
+    """Sequences decoding and queued over the loaded models: what a router balances on."""
+    running = waiting = 0
+    for res in loaded:
+        stats = getattr(res.engine, "stats", None)
+        try:
+            figures = dict(stats()) if stats is not None else {}
+        except Exception:  # a model unloading under us reports nothing
+            figures = {}
+        running += int(figures.get("running", 0))
+        waiting += int(figures.get("waiting", 0))
+    return {"running": running, "waiting": waiting}
