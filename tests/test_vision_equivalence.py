@@ -144,3 +144,28 @@ def test_every_sdk_gets_the_same_answer_about_the_same_image(vlm: Any, site: Med
             seen.setdefault(got["openai"][0], i)
     # the image reaches the model through every API: the two colours get different answers
     assert len(seen) > 1, seen
+
+
+def test_a_video_gets_the_same_answer_through_openai_and_anthropic(vlm: Any) -> None:
+    import anthropic
+    import openai
+
+    from tests.helpers.media_samples import video
+
+    clip = base64.b64encode(video(seconds=1.0, fps=4, width=56, height=56)).decode()
+    oai = openai.OpenAI(base_url=vlm.url + "/v1", api_key="x")
+    chat = oai.chat.completions.create(model="vl", max_tokens=6, temperature=0, messages=[{
+        "role": "user", "content": [  # type: ignore[list-item, misc]
+            {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{clip}"}},
+            {"type": "text", "text": "What happens?"}]}])
+    ant = anthropic.Anthropic(base_url=vlm.url, api_key="x")
+    msg = ant.messages.create(model="vl", max_tokens=6, extra_body={"temperature": 0}, messages=[{
+        "role": "user", "content": [  # type: ignore[list-item, misc]
+            {"type": "video", "source": {"type": "base64", "media_type": "video/mp4",
+                                         "data": clip}},
+            {"type": "text", "text": "What happens?"}]}])
+    text_only = oai.chat.completions.create(model="vl", max_tokens=1, messages=[
+        {"role": "user", "content": "What happens?"}])
+    assert chat.usage is not None and text_only.usage is not None
+    assert msg.usage.input_tokens == chat.usage.prompt_tokens > text_only.usage.prompt_tokens
+    assert "".join(b.text for b in msg.content if b.type == "text") == chat.choices[0].message.content

@@ -44,6 +44,14 @@ class ImageBlock(_Lenient):
     source: ImageSource
 
 
+class VideoBlock(_Lenient):
+    """mlxd extension (Anthropic's API has no video): a video for a vision model, with an
+    image block's sources (``base64`` with a video media type, or ``url``)."""
+
+    type: Literal["video"]
+    source: ImageSource
+
+
 class ToolUseBlock(_Lenient):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
@@ -73,7 +81,8 @@ class RedactedThinkingBlock(_Lenient):
 
 
 ContentBlock = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | VideoBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+    | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 

@@ -27,6 +27,7 @@ from mlxd.protocol.anthropic import (
     ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
+    VideoBlock,
 )
 from mlxd.protocol.anthropic import ToolChoice as AnthropicToolChoice
 from mlxd.server.text_session import sampling_params
@@ -40,16 +41,19 @@ from mlxd.server.tool_checks import (
 _CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
 
-def image_part(block: ImageBlock) -> dict[str, Any]:
-    """An Anthropic image block as an OpenAI-style ``image_url`` part."""
+def image_part(block: ImageBlock | VideoBlock) -> dict[str, Any]:
+    """An Anthropic image block as an OpenAI-style ``image_url`` part (a video block, an
+    mlxd extension, as a ``video_url`` part)."""
     src = block.source
+    kind = "image" if isinstance(block, ImageBlock) else "video"
     if src.type == "base64":
-        url = f"data:{src.media_type or 'image/png'};base64,{src.data or ''}"
+        default = "image/png" if kind == "image" else "video/mp4"
+        url = f"data:{src.media_type or default};base64,{src.data or ''}"
     elif src.type == "url":
         url = src.url or ""
     else:
         url = f"file:{src.file_id or ''}"
-    return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": f"{kind}_url", f"{kind}_url": {"url": url}}
 
 
 def _parts_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
@@ -87,7 +91,7 @@ def _user_messages(message: Message, names: dict[str, str], where: str) -> list[
             out.append(_tool_result_message(block, names))
         elif isinstance(block, TextBlock):
             parts.append({"type": "text", "text": block.text})
-        elif isinstance(block, ImageBlock):
+        elif isinstance(block, ImageBlock | VideoBlock):
             parts.append(image_part(block))
         else:
             raise InvalidRequest(f"A user message cannot contain a '{block.type}' block.",
