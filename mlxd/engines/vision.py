@@ -32,13 +32,10 @@ from mlxd.engines.vlm_input import VisionInputProcessor
 from mlxd.engines.vlm_patches import PatchHandle, registry
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.generation.events import TokenLogprob
+from mlxd.models.memory import FEATURE_CACHE_BYTES
 from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
-
-# Image features kept per model, by default (the feature cache is counted in the
-# model's memory, and bounded by bytes as well as entries).
-FEATURE_CACHE_BYTES = 64 * 1024 * 1024
 
 
 class MLXMultimodalLM(MLXLanguageModel):

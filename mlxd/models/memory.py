@@ -108,6 +108,31 @@ def encoder_activation_bytes(config: dict[str, Any], batch_tokens: int,
     return dtype_bytes * batch_tokens * (6 * inter + heads * longest)
 
 
+# The image-feature cache of each vision model (engines/vlm_features.py), by bytes.
+FEATURE_CACHE_BYTES = 64 * 1024 * 1024
+# Pixels of the largest image a vision tower without a fixed input size is assumed to
+# take (Qwen2-VL's processors resize to at most 1280 x 28 x 28 by default).
+VISION_MAX_PIXELS = 1280 * 28 * 28
+
+
+def vision_activation_bytes(config: dict[str, Any], max_pixels: int = VISION_MAX_PIXELS,
+                            dtype_bytes: int = 4) -> int:
+    """Peak activations of the vision tower on the largest image it takes: one patch
+    token per ``patch_size`` squared pixels (the fixed ``image_size`` when the tower has
+    one), with the same per-token terms as ``encoder_activation_bytes``. 0 without a
+    vision config."""
+    vc = config.get("vision_config") or {}
+    hidden = int(vc.get("hidden_size") or vc.get("embed_dim") or 0)
+    if not hidden:
+        return 0
+    patch = int(vc.get("patch_size") or 14)
+    size = vc.get("image_size")
+    tokens = (int(size) // patch) ** 2 if size else max(1, max_pixels // (patch * patch))
+    heads = int(vc.get("num_attention_heads") or vc.get("num_heads") or 1)
+    inter = int(vc.get("intermediate_size") or int(vc.get("mlp_ratio") or 4) * hidden)
+    return dtype_bytes * tokens * (6 * inter + heads * tokens)
+
+
 def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None = None, *,
                     max_num_seqs: int = 16, context: int = 4096,
                     kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS,
@@ -117,6 +142,9 @@ def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None
     if kind in (ModelKind.TEXT, ModelKind.VISION):
         tokens = min(max_num_seqs * context, kv_reserve_tokens)
         reserve = kv_bytes_per_token(config or {}, dtype_bytes) * tokens + prefix_cache_bytes
+        if kind == ModelKind.VISION:  # + the feature cache and one image through the tower
+            reserve += FEATURE_CACHE_BYTES + vision_activation_bytes(config or {},
+                                                                     dtype_bytes=dtype_bytes)
         return MemoryEstimate(weights, reserve)
     if kind in (ModelKind.EMBEDDING, ModelKind.RERANK):
         activations = encoder_activation_bytes(config or {}, encoder_batch_tokens, dtype_bytes)
