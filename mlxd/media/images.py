@@ -22,14 +22,18 @@ from mlxd.media.types import ImageInput
 
 # Pillow's names; MPO is the JPEG variant many phone cameras write.
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP")
-_DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?),", re.ASCII)
+_HEADER_MAX = 256  # "data:<mime>;<params>," fits in this; the search for "," stops there
+_MIME = re.compile(r"[\w.+-]+/[\w.+-]+", re.ASCII)
 _SPACE = re.compile(rb"[ \t\r\n]+")
 
 
 def data_url_size(url: str) -> int:
-    """Bytes a ``;base64`` data: URL decodes to, computed without decoding it."""
-    body = url.partition(",")[2].rstrip()
-    return len(body) * 3 // 4 - (len(body) - len(body.rstrip("=")))
+    """Bytes a ``;base64`` data: URL decodes to, from its length (nothing is copied)."""
+    comma = url.find(",", 0, _HEADER_MAX)
+    end = len(url)
+    while end > comma + 1 and url[end - 1] in "= \t\r\n":
+        end -= 1
+    return (end - comma - 1) * 3 // 4
 
 
 def parse_data_url(url: str, param: str, *, kind: str, max_bytes: int) -> tuple[str, bytes]:
@@ -38,18 +42,18 @@ def parse_data_url(url: str, param: str, *, kind: str, max_bytes: int) -> tuple[
     The size is checked from the base64 length before decoding; the base64 must be
     strict (only its alphabet, correct padding; line breaks are allowed).
     """
-    match = _DATA_URL.match(url)
-    if match is None or "base64" not in match.group("params").split(";"):
+    comma = url.find(",", 0, _HEADER_MAX)
+    mime, *params = url[5:comma].split(";") if url.startswith("data:") and comma > 0 else ("",)
+    if comma < 0 or "base64" not in params or (mime and not _MIME.fullmatch(mime)):
         raise InvalidRequest(f"{param} must be a base64 data: URL "
                              f"(data:{kind}/...;base64,...).", param=param)
-    mime = match.group("mime") or ""
     if mime and not mime.startswith(f"{kind}/"):
         raise InvalidRequest(f"{param} is a data: URL of type {mime}, not an {kind}.",
                              param=param)
     if data_url_size(url) > max_bytes:
         raise InvalidRequest(f"{param} is larger than {human_bytes(max_bytes)}.",
                              param=param, code="media_too_large")
-    raw = _SPACE.sub(b"", url[match.end():].encode("ascii", "replace"))
+    raw = _SPACE.sub(b"", url[comma + 1:].encode("ascii", "replace"))
     try:
         data = base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError):

@@ -124,15 +124,16 @@ def _decode(ref: MediaRef, data: bytes, limits: MediaLimits, source: str) -> dic
     return {"type": VIDEO_PART, VIDEO_PART: decode_video(data, ref.param, limits, source)}
 
 
-async def _resolve_one(ref: MediaRef, limits: MediaLimits, fetcher: Callable[[], MediaFetcher],
+async def _resolve_one(ref: MediaRef, limits: MediaLimits, fetcher: MediaFetcher | None,
                        budget: ByteBudget, gate: asyncio.Semaphore) -> dict[str, Any]:
     if ref.url.startswith("data:"):
         _, data = await asyncio.to_thread(parse_data_url, ref.url, ref.param, kind=ref.kind,
                                           max_bytes=_item_limit(ref, limits))
         source = "data"
     else:
+        assert fetcher is not None  # made for every request with a remote URL
         async with gate:
-            fetched = await fetcher().fetch(ref.url, max_bytes=_item_limit(ref, limits),
+            fetched = await fetcher.fetch(ref.url, max_bytes=_item_limit(ref, limits),
                                             param=ref.param, budget=budget)
         data, source = fetched.data, ref.url
     async with gate:  # decoding is CPU work: as few at once as fetches
@@ -163,19 +164,16 @@ async def resolve_media(messages: list[dict[str, Any]], limits: MediaLimits, *,
     check_counts(refs, limits)
     budget = ByteBudget(limits.request_bytes)
     check_inline_sizes(refs, limits, budget)
-    fetchers: list[MediaFetcher] = []
-
-    def fetcher() -> MediaFetcher:  # one client for the request, made only if a URL needs it
-        if not fetchers:
-            fetchers.append(make_fetcher(limits))
-        return fetchers[0]
-
+    fetcher = None
+    if any(not r.url.startswith("data:") for r in refs):
+        # one client per request; made off the loop (loading CA certificates blocks)
+        fetcher = await asyncio.to_thread(make_fetcher, limits)
     gate = asyncio.Semaphore(FETCH_CONCURRENCY)
     try:
         parts = await _all([_resolve_one(r, limits, fetcher, budget, gate) for r in refs])
     finally:
-        for f in fetchers:
-            await f.aclose()
+        if fetcher is not None:
+            await fetcher.aclose()
     return _replaced(messages, refs, parts)
 
 
