@@ -38,6 +38,23 @@ def group(tiny_model: Path, test_home: Path, tmp_path_factory: pytest.TempPathFa
         yield g
 
 
+def test_the_memory_budget_counts_one_rank_share(tiny_model: Path, test_home: Path) -> None:
+    from mlxd.config import ServerConfig
+    from mlxd.models.catalog import build_catalog
+
+    def estimate(**kw: Any) -> tuple[int, int]:
+        cfg = ServerConfig(model=str(tiny_model), home=test_home, no_starter=True,
+                           prefix_cache_bytes=1000, **kw)
+        reg = build_catalog(cfg).registrations[0]
+        return reg.estimate, reg.reserve
+
+    whole, whole_reserve = estimate()
+    share, share_reserve = estimate(hosts="127.0.0.1,127.0.0.1")
+    weights, share_weights = whole - whole_reserve, share - share_reserve
+    assert share_weights == weights // 2
+    assert share_reserve == (whole_reserve - 1000) // 2 + 1000  # each rank: a whole cache
+
+
 def _complete(url: str, prompt: str, max_tokens: int = 16, **extra: Any) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             **extra}

@@ -17,6 +17,7 @@ from mlxd.config import ServerConfig
 from mlxd.models.detection import Detection, DetectionError, detect, kind_from_name
 from mlxd.models.manager import ManagerPolicy, Registration
 from mlxd.models.memory import (
+    MemoryEstimate,
     estimate_memory,
     parse_budget,
     prefix_cache_bytes,
@@ -27,6 +28,7 @@ from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryData, RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.models.starter import starter_entries
+from mlxd.runtime.distributed import parse_hosts
 from mlxd.sources.pypi import PyPISourceError, installed_root, parse_pypi_source
 from mlxd.sources.resolve import looks_like_hub_id
 
@@ -120,6 +122,8 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
                           context=context, kv_reserve_tokens=config.kv_reserve_tokens,
                           prefix_cache_bytes=prefix_cache_bytes(config, budget),
                           dtype_bytes=dtype_bytes)
+    if kind == ModelKind.TEXT and config.hosts:
+        est = per_rank(est, len(parse_hosts(config.hosts)), prefix_cache_bytes(config, budget))
     if path is not None and path.is_dir():
         entry = with_generation_defaults(entry, path)
     if entry.estimated_memory is not None:
@@ -127,6 +131,15 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
         return Registration(entry, kind, entry.estimated_memory,
                             max(0, entry.estimated_memory - weights))
     return Registration(entry, kind, est.total, est.reserve)
+
+
+def per_rank(est: MemoryEstimate, ranks: int, prefix_cache: int) -> MemoryEstimate:
+    """What one rank of a sharded text model holds (``--hosts``): its share of the
+    weights and KV reserve (a tensor split gives every rank an equal share; a pipeline
+    split differs by a layer); each rank keeps a whole prefix cache of its own shards."""
+    ranks = max(1, ranks)
+    return MemoryEstimate(est.weights // ranks,
+                          max(0, est.reserve - prefix_cache) // ranks + prefix_cache)
 
 
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
