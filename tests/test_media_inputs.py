@@ -247,3 +247,41 @@ def test_without_the_flag_loopback_is_refused_and_never_connected(site: MediaSit
     err = refusal(user(image_part(site.url("/cat.png"))))
     assert err.code == "media_url_refused" and "loopback" in err.message
     assert len(site.seen) == before
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url"},
+    {"type": "image_url", "image_url": {}},
+    {"type": "image_url", "image_url": {"url": 5}},
+    {"type": "image_url", "image_url": {"url": ""}},
+    {"type": "image_url", "image_url": None},
+    {"type": "video_url", "video_url": ["data:video/mp4;base64,AAAA"]},
+])
+def test_a_media_part_without_a_url_string_is_a_400(part: dict[str, Any]) -> None:
+    err = refusal(user(part))
+    kind = part["type"]
+    assert err.status == 400 and err.param == f"messages[0].content[1].{kind}"
+    assert "needs a 'url'" in err.message
+
+
+def test_a_plain_string_url_is_accepted_as_vllm_does() -> None:
+    out = resolve(user({"type": "image_url", "image_url": data_url(PNG)}))
+    assert out[0]["content"][1]["image"].data == PNG
+
+
+@pytest.mark.parametrize("field", ["max_image_bytes", "max_video_bytes", "max_media_bytes",
+                                   "max_image_pixels", "max_video_seconds", "max_video_frames",
+                                   "video_fps", "video_max_frames", "media_fetch_timeout"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_media_limits_must_be_positive(field: str, value: int) -> None:
+    from pydantic import ValidationError
+
+    from mlxd.config import ServerConfig
+
+    with pytest.raises(ValidationError):
+        ServerConfig(**{field: value})
+
+
+def test_zero_images_per_request_refuses_every_image() -> None:
+    err = refusal(user(image_part(data_url(PNG))), replace(LIMITS, images_per_request=0))
+    assert err.code == "too_many_images"

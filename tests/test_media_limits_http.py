@@ -45,6 +45,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
 def never_loaded(srv: RunningServer) -> None:
     res = srv.ctx.manager.get("vl")
     assert (str(res.state), res.loads, res.last_error) == ("unloaded", 0, None)
+    listed = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"]
+    assert [m["state"] for m in listed if m["id"] == "vl"] == ["unloaded"]
 
 
 def chat(srv: RunningServer, *parts: dict[str, Any], model: str = "vl") -> httpx.Response:
@@ -122,3 +124,12 @@ def test_a_text_model_refuses_media_without_fetching_it(srv: RunningServer,
     r = chat(srv, video_part(site.url("/cat.png")), model="tiny")
     assert_openai_error(r, 400, "cannot read 'video_url'")
     assert site.seen == []
+
+
+def test_a_streaming_request_is_refused_before_the_stream_starts(srv: RunningServer) -> None:
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=30, json={
+        "model": "vl", "stream": True, "messages": [{"role": "user", "content": [
+            image_part(data_url(bomb_png()))]}]})
+    assert r.headers["content-type"].startswith("application/json")
+    assert_openai_error(r, 400, "pixels", param="messages[0].content[0].image_url")
+    never_loaded(srv)
