@@ -194,3 +194,45 @@ def _wait_running(group: RunningGroup, n: int) -> None:
                 return
         time.sleep(0.05)  # polling a gauge
     raise TimeoutError("the requests never ran")
+
+
+FAKE_FOLLOWER = """
+import os, socket, sys, time
+from mlxd.runtime.distributed import send_frame
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+send_frame(sock, {"op": "hello", "rank": 1, "pid": os.getpid()})
+while True:
+    send_frame(sock, {"op": "beat", "memory_bytes": 1})
+    time.sleep(0.2)
+"""
+
+
+def test_the_control_channel_notices_a_killed_rank_at_once() -> None:
+    """No MLX here: a process speaking the follower's side of the channel is SIGKILLed,
+    and rank 0's link reports the group broken without waiting for the heartbeat
+    deadline (a closed connection is a dead rank)."""
+    import subprocess
+    import sys
+
+    from mlxd.runtime.distributed import GroupOptions
+    from mlxd.runtime.distributed_link import GroupBroken, GroupLink
+    from tests.helpers.server import free_port
+
+    port = free_port()
+    link = GroupLink(GroupOptions("ring", port, timeout=60.0), size=2)
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_FOLLOWER, str(port)])
+    broken = threading.Event()
+    reasons: list[str] = []
+    try:
+        link.connect(deadline_s=60)
+        link.on_failure(lambda reason: (reasons.append(reason), broken.set()))
+        assert link.info()[0]["pid"] == proc.pid
+        proc.kill()
+        assert broken.wait(10), "a killed rank went unnoticed"
+        assert "closed its connection" in reasons[0] or "connection failed" in reasons[0]
+        with pytest.raises(GroupBroken):
+            link.send({"op": "next"})
+    finally:
+        proc.kill()
+        proc.wait()
+        link.close()
