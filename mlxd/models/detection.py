@@ -17,6 +17,7 @@ from typing import Any
 
 from mlxd.jsonfile import read_json_object
 from mlxd.models.spec import ModelKind
+from mlxd.sources.ct2_whisper import is_ctranslate2_whisper
 
 STT_MODEL_TYPES = {"whisper", "parakeet", "wav2vec2", "hubert", "speech_to_text", "moonshine",
                    "voxtral", "granite_speech", "qwen2_audio", "canary"}
@@ -150,13 +151,6 @@ def classify_gguf(path: Path) -> Detection:
     if arch:
         return Detection(ModelKind.TEXT, f"GGUF architecture {arch}", arch, [], checked)
     raise DetectionError(f"GGUF file {path} has no general.architecture. Checked: {checked}")
-
-
-def is_ctranslate2_whisper(folder: Path) -> bool:
-    if not (folder / "model.bin").is_file():
-        return False
-    cfg = read_json_object(folder / "config.json")
-    return "alignment_heads" in cfg or "suppress_ids" in cfg or "lang_ids" in cfg
 
 
 def is_piper_voice(folder: Path) -> bool:

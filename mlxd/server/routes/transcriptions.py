@@ -1,0 +1,109 @@
+"""POST /v1/audio/transcriptions and /v1/audio/translations: OpenAI's speech-to-text.
+
+Everything that can refuse a request runs before the model is leased (so a
+refused upload never loads a model): the multipart body is read as it streams
+in with the upload limit enforced live (``server/multipart.py``), the fields
+are validated, the model's kind is checked, and the file is decoded with its
+limits checked (``media/audio_decode.py``, on a thread: decoding is CPU work
+but not model code). Only then is the model leased and the samples handed to
+its engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+
+from mlxd.engines.base import TRANSCRIPTION, TranscriptionRequest
+from mlxd.errors import InvalidRequest
+from mlxd.media.audio_decode import WHISPER_RATE, decode_audio
+from mlxd.media.audio_limits import AudioLimits
+from mlxd.protocol.transcription import TranscriptionForm, form_schema
+from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.multipart import MultipartForm, read_multipart
+from mlxd.server.sse import SSE_HEADERS, sse_data
+from mlxd.server.transcript_formats import render, stream_events
+
+router = APIRouter()
+TRANSCRIPTIONS = "/v1/audio/transcriptions"
+TRANSLATIONS = "/v1/audio/translations"
+Task = Literal["transcribe", "translate"]
+_LIST_FIELDS = {"timestamp_granularities[]": "timestamp_granularities",
+                "timestamp_granularities": "timestamp_granularities"}
+_TRANSCRIBE_ONLY = ("language", "timestamp_granularities", "stream")
+
+
+def parse_form(form: MultipartForm, task: Task) -> TranscriptionForm:
+    """The text fields as a validated ``TranscriptionForm`` (a 400 naming the bad field)."""
+    data: dict[str, object] = {}
+    for name, values in form.fields.items():
+        if name in _LIST_FIELDS:
+            data.setdefault(_LIST_FIELDS[name], [])
+            data[_LIST_FIELDS[name]] += values  # type: ignore[operator]
+        elif len(values) > 1:
+            raise InvalidRequest(f"Form field '{name}' is given {len(values)} times.",
+                                 param=name)
+        else:
+            data[name] = values[0]
+    if task == "translate":
+        for name in _TRANSCRIBE_ONLY:  # OpenAI's translations take none of these
+            data.pop(name, None)
+    try:
+        return TranscriptionForm.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        where = f"'{param}': " if param else ""
+        raise InvalidRequest(f"Invalid form field {where}{err['msg']}.", param=param) from None
+
+
+async def _transcription_request(request: Request, ctx: ServerContext, task: Task,
+                                 endpoint: str) -> tuple[TranscriptionForm, TranscriptionRequest]:
+    limits = AudioLimits.from_config(ctx.config)
+    body = await read_multipart(request.headers.get("content-type"),
+                                request.headers.get("content-length"), request.stream(),
+                                file_field="file", max_file_bytes=limits.upload_bytes)
+    form = parse_form(body, task)
+    if body.file is None:
+        raise InvalidRequest("The form has no 'file' part (the recording to transcribe).",
+                             param="file")
+    ctx.manager.check_kind(form.model, TRANSCRIPTION, endpoint)
+    audio = await asyncio.to_thread(decode_audio, body.file.data, limits, WHISPER_RATE)
+    return form, TranscriptionRequest(
+        audio=audio.samples, sample_rate=audio.sample_rate, task=task,
+        language=form.language, prompt=form.prompt, temperature=form.temperature,
+        word_timestamps=form.word_timestamps)
+
+
+async def _serve(request: Request, ctx: ServerContext, task: Task, endpoint: str) -> Response:
+    form, job = await _transcription_request(request, ctx, task, endpoint)
+    async with ctx.manager.lease(form.model, TRANSCRIPTION, endpoint) as lease:
+        transcript = await lease.engine.transcribe(job)
+    if form.stream:
+        events = stream_events(transcript)
+
+        async def body() -> AsyncIterator[str]:
+            for event in events:
+                yield sse_data(event)
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return render(transcript, form.response_format, task, form.timestamp_granularities)
+
+
+@router.post(TRANSCRIPTIONS, openapi_extra={"requestBody": form_schema(translation=False)})
+async def create_transcription(request: Request,
+                               ctx: ServerContext = Depends(get_ctx)) -> Response:
+    """Transcribe an uploaded recording (multipart ``file``) in its own language."""
+    return await _serve(request, ctx, "transcribe", TRANSCRIPTIONS)
+
+
+@router.post(TRANSLATIONS, openapi_extra={"requestBody": form_schema(translation=True)})
+async def create_translation(request: Request,
+                             ctx: ServerContext = Depends(get_ctx)) -> Response:
+    """Translate an uploaded recording into English text."""
+    return await _serve(request, ctx, "translate", TRANSLATIONS)
