@@ -130,22 +130,6 @@ class ServerConfig(BaseSettings):
     max_audio_sample_rate: int = Field(192_000, gt=0, description="sample rate of an upload")
     max_audio_channels: int = Field(8, gt=0, description="channels of an upload")
 
-    # One model sharded over several hosts (mx.distributed, started through mlx.launch)
-    hosts: str | None = Field(None, description=(
-        "serve one text model sharded over these hosts: a comma-separated list or a "
-        "hostfile, as mlx.launch takes them (rank 0, the first host, serves HTTP)"))
-    backend: Literal["ring", "jaccl", "mpi"] = Field("ring", description=(
-        "mx.distributed backend of the group (ring: TCP; jaccl: Thunderbolt RDMA; mpi)"))
-    group_port: int = Field(47100, gt=0, lt=65536, description=(
-        "rank 0's control port for the other ranks (the ring backend uses the next ports)"))
-    group_timeout: float = Field(10.0, gt=0, description=(
-        "seconds without a heartbeat after which a rank counts as dead: in-flight requests "
-        "get 503 and /health reports the group unhealthy"))
-
-    # Text sent to text-to-speech models (OpenAI's own limit is 4096)
-    max_speech_input_chars: int = Field(4096, gt=0, description=(
-        "characters of one /v1/audio/speech input"))
-
     # Response store (Responses API)
     response_store_max: int = 1000
     response_store_bytes: int = 64 * 1024 * 1024

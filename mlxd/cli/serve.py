@@ -130,8 +130,6 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "type": int, "help": "audio upload sample rate in Hz (default 192000)"}),
     ("--max-audio-channels", "max_audio_channels", {"type": int,
                                                     "help": "audio upload channels (default 8)"}),
-    ("--max-speech-input-chars", "max_speech_input_chars", {
-        "type": int, "help": "characters of one text-to-speech input (default 4096)"}),
     ("--home", "home", {"help": "cache folder (default $MLXD_HOME or ~/.cache/mlxd)"}),
 )
 SWITCHES = (
