@@ -151,6 +151,16 @@ def run_embeddings(quick: bool) -> dict[str, Any]:
     return {"exit_code": embeddings.main(["--quick"] if quick else [])}
 
 
+def run_agent_trace(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench/agent_trace.py`` (its own results: ``agent_trace.md``); shorter with --quick."""
+    from bench import agent_trace
+
+    argv = ["--servers", args.servers, "--home", str(args.home), "--out", str(args.out)]
+    if args.quick:
+        argv += ["--turns", "4", "--max-tokens", "64", "--tag", "agent_trace_quick"]
+    return {"exit_code": agent_trace.main(argv)}
+
+
 def plot_series(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Throughput levels per contender, the raw BatchGenerator as one more line."""
     series = {n: s.get("throughput", []) for n, s in results["servers"].items()
@@ -177,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--blas", choices=["auto", "openblas", "off"], default="auto",
                    help="BLAS for every contender (default: OpenBLAS when installed)")
     p.add_argument("--embeddings", action="store_true", help="also run bench/embeddings.py")
+    p.add_argument("--no-agent-trace", action="store_true",
+                   help="skip the agent trace (bench/agent_trace.py)")
     p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--tag", default=None, help="result file names (default latest / quick)")
@@ -213,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         results["servers"][name] = run_server(name, folder, args, sizes, env, log_dir)
     if args.embeddings:
         results["embeddings"] = run_embeddings(args.quick)
+    if not args.no_agent_trace:
+        results["agent_trace"] = run_agent_trace(args)
     write_json(args.out / f"{tag}.json", results)
     report = markdown(results)
     (args.out / f"{tag}.md").write_text(report)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from mlxd.benchmark.agent_trace import (
+    RECORDED_DIGESTS,
     SOURCE_FILES,
     TraceSpec,
     anthropic_body,
@@ -50,6 +51,13 @@ def test_same_seed_same_requests_and_digest() -> None:
     for path, sha in a.sources.items():  # what the tool_results hold, by file hash
         text = read_source(Path(path).stem, a.spec.max_file_chars)
         assert hashlib.sha256(text.encode()).hexdigest() == sha
+
+
+def test_the_default_trace_is_the_recorded_one() -> None:
+    trace = build_trace()
+    if trace.python not in RECORDED_DIGESTS:
+        pytest.skip(f"no recorded digest for Python {trace.python}")
+    assert trace.digest() == RECORDED_DIGESTS[trace.python]
 
 
 def _tool_pairs(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:

@@ -37,6 +37,10 @@ from mlxd.benchmark.agent_prompts import SYSTEM_SECTIONS, TOOLS
 # two of them, the system prompt and eight turns fit an 8k context (SmolLM2).
 SOURCE_FILES = ("fnmatch", "genericpath", "linecache", "reprlib", "sched", "colorsys", "codeop",
                 "getpass", "netrc", "copyreg")
+# The digest of ``build_trace(TraceSpec())`` (what ``--trace agent --sessions 1,4`` sends)
+# per Python version: the stdlib files differ between versions. Change it only on purpose.
+RECORDED_DIGESTS = {
+    "3.11.7": "56b21751220f2605d97e9f17ff51419f0b80b6bc8d6360bfbb70aec7d4444c44"}
 RENAME_WORDS = ("value", "item", "arg", "input", "obj")
 INSTRUCTIONS = (
     "Repeat the function `{qual}` from `{path}` with `{old}` renamed to `{new}`. "
