@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,13 @@ def run_converter(converter: str, src: Path, dest: Path, *, dtype: str,
         if converter == "mlx-vlm":
             from mlx_vlm import convert as vlm_convert
 
+            from mlxd.engines.vlm_convert import legacy_names
+
             if q_mode is not None:
                 kwargs.update(q_bits=q_bits or 4, q_group_size=q_group_size or 64)
-            vlm_convert(str(src), mlx_path=str(dest), **kwargs)
+            # newer transformers names, which mlx-vlm refuses, renamed in a scratch copy
+            with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".renamed-") as tmp:
+                vlm_convert(str(legacy_names(src, Path(tmp))), mlx_path=str(dest), **kwargs)
         elif converter == "mlx-lm":
             from mlx_lm import convert as lm_convert
 
