@@ -103,7 +103,14 @@ async def _sse_body(stream: AsyncGenerator[bytes, None], lease: ModelLease[Any],
         await lease.release()
 
 
-@router.post(ENDPOINT)
+_AUDIO_BODY = {"schema": {"type": "string", "format": "binary"}}
+
+
+@router.post(ENDPOINT, response_class=StreamingResponse, responses={200: {
+    "description": "The speech in ``response_format`` (chunked as it is made), or "
+                   "``speech.audio.delta`` / ``speech.audio.done`` events with "
+                   "``stream_format: sse``",
+    "content": {media: _AUDIO_BODY for media in dict.fromkeys(MEDIA_TYPES.values())}}})
 async def create_speech(req: SpeechCreateRequest,
                         ctx: ServerContext = Depends(get_ctx)) -> StreamingResponse:
     """Speak ``input`` with ``voice``; the audio streams back sentence by sentence."""
