@@ -71,6 +71,10 @@ class ServerConfig(BaseSettings):
     prefix_cache_bytes: int | None = None
     max_context: int | None = None
     enable_prefix_cache_persist: bool = True
+    speculative: Literal["prompt-lookup", "off"] = Field("prompt-lookup", description=(
+        "speculative decoding in the batched scheduler: prompt-lookup drafts or off"))
+    num_draft_tokens: int = Field(4, ge=1, le=16, description=(
+        "most tokens one sequence drafts per step (adapted to its acceptance)"))
 
     # Memory management
     memory_budget: str | None = None

@@ -62,6 +62,11 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                                             "(default 5%% of the budget, at most "
                                                             "1 GiB; 0 disables)"}),
     ("--max-context", "max_context", {"type": int, "help": "cap the context length"}),
+    ("--speculative", "speculative", {"choices": ["prompt-lookup", "off"],
+                                      "help": "speculative decoding (default prompt-lookup)"}),
+    ("--num-draft-tokens", "num_draft_tokens", {"type": int,
+                                                "help": "most draft tokens per sequence and "
+                                                        "step (default 4)"}),
     ("--reasoning-parser", "reasoning_parser", {"help": "think | qwen3 | deepseek_r1 | ... | none"}),
     ("--tool-call-parser", "tool_call_parser", {"help": "hermes | llama3_json | mistral | ..."}),
     ("--max-body-bytes", "max_body_bytes", {"type": int}),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -85,6 +85,17 @@ class Decoder(Protocol):
 
     def close(self) -> None:
         """Release what the decoder holds."""
+
+
+@runtime_checkable
+class DraftCounting(Protocol):
+    """A decoder that speculates (``engines/speculative.py``) reports its draft tokens."""
+
+    def draft_counts(self, uids: list[int]) -> dict[int, tuple[int, int]]:
+        """(accepted, rejected) draft tokens of sequences that left; forgotten once read."""
+
+    def draft_totals(self) -> tuple[int, int]:
+        """(accepted, rejected) draft tokens since the decoder started."""
 
 
 class SerialDecoder(Protocol):

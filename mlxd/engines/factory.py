@@ -44,6 +44,7 @@ class EngineFactory:
         return engine_class(entry.name, path, worker, options)
 
     def text_options(self, entry: ModelEntry) -> Any:
+        from mlxd.engines.speculative import SpeculativeOptions
         from mlxd.engines.text import TextEngineOptions
 
         cfg, d = self.config, entry.defaults
@@ -59,7 +60,9 @@ class EngineFactory:
             trust_remote_code=entry.trust_remote_code,
             prefix_cache_dir=(cfg.prefix_cache_dir / safe_name
                               if cfg.enable_prefix_cache_persist and not cfg.hosts else None),
-            group=group_options(cfg))
+            group=group_options(cfg),
+            speculative=SpeculativeOptions(mode=cfg.speculative,
+                                           num_draft_tokens=cfg.num_draft_tokens))
 
     def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
         """Construct and load the kind's engine from the local folder ``path``."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -25,6 +26,7 @@ from mlxd.engines.decoder import (
 )
 from mlxd.engines.hybrid_cache import SerialRun, prefill, snapshot, with_context
 from mlxd.engines.input_processor import PreparedPrompt
+from mlxd.engines.speculative import SpeculativeBatch, SpeculativeOptions, install, pop_counts
 
 # Reading the batch's cache size from another thread can meet the worker
 # mid-update (a deque or list resized while summed); a few retries find a
@@ -36,8 +38,11 @@ class LMBatchDecoder:
     """Continuous batching over mlx-lm's ``BatchGenerator``."""
 
     def __init__(self, model: Any, *, eos_ids: list[int], max_num_seqs: int,
-                 prefill_step_size: int, prefill_batch_size: int | None = None) -> None:
+                 prefill_step_size: int, prefill_batch_size: int | None = None,
+                 speculative: SpeculativeOptions | None = None) -> None:
         self.model = model
+        self._speculative = speculative
+        self._spec: SpeculativeBatch | None = None
         self._eos = sorted(eos_ids)
         self._max_num_seqs = max_num_seqs
         self._prefill_step_size = prefill_step_size
@@ -55,7 +60,19 @@ class LMBatchDecoder:
             prefill_step_size=self._prefill_step_size,
             stream=mx.default_stream(mx.default_device()),
         )
+        if self._speculative is not None and self._speculative.enabled:
+            # the model's end-of-sequence tokens are never drafted
+            self._spec = install(gen, replace(self._speculative, stop_ids=frozenset(self._eos)))
         return gen
+
+    def draft_counts(self, uids: list[int]) -> dict[int, tuple[int, int]]:
+        """(accepted, rejected) draft tokens of sequences that left; forgotten once read."""
+        return {u: (c.accepted, c.rejected) for u, c in pop_counts(self._spec, uids).items()}
+
+    def draft_totals(self) -> tuple[int, int]:
+        """(accepted, rejected) draft tokens since the decoder started."""
+        spec = self._spec
+        return (spec.totals.accepted, spec.totals.rejected) if spec is not None else (0, 0)
 
     def next(self) -> tuple[list[PromptProgress], list[TokenResponse]]:
         return cast(tuple[list[PromptProgress], list[TokenResponse]], self._gen.next())

@@ -30,7 +30,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlxd.engines.decoder import Decoder, SerialDecoder
+from mlxd.engines.decoder import Decoder, DraftCounting, SerialDecoder
 from mlxd.engines.device import release_free_memory
 from mlxd.engines.input_processor import PreparedPrompt
 from mlxd.engines.prefix_cache import PrefixCache
@@ -338,6 +338,20 @@ class BatchScheduler(SchedulerBase):
     def _reset_after_failure(self) -> None:
         self.decoder.reset()
 
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if isinstance(self.decoder, DraftCounting):  # speculative decoding: usage counts
+            counts = self.decoder.draft_counts([seq.uid]).get(seq.uid)
+            if counts is not None:
+                seq.pipeline.accepted_prediction_tokens, seq.pipeline.rejected_prediction_tokens \
+                    = counts
+        super()._finish(seq, reason, error)
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        if isinstance(self.decoder, DraftCounting):
+            out["draft_accepted"], out["draft_rejected"] = self.decoder.draft_totals()
+        return out
+
     def cache_nbytes(self) -> int:
         """Bytes the running batch's KV states hold (any thread)."""
         return self.decoder.cache_nbytes()
@@ -372,11 +386,12 @@ class BatchScheduler(SchedulerBase):
                     del self.running[r.uid]
                     self._finish(seq, "error", seq.error)
                 continue
-            lp = self._logprob(seq, r.token, r.logprobs)
-            if r.finish_reason == "stop" and r.token in seq.stop_token_ids:
-                self._emit(seq, seq.pipeline.count_eos(lp))
+            if seq.pipeline.stopped:  # a stop string fired on an earlier token of this step
+                pass
+            elif r.finish_reason == "stop" and r.token in seq.stop_token_ids:
+                self._emit(seq, seq.pipeline.count_eos(self._logprob(seq, r.token, r.logprobs)))
             else:
-                self._emit(seq, seq.pipeline.feed(r.token, lp))
+                self._emit(seq, seq.pipeline.feed(r.token, self._logprob(seq, r.token, r.logprobs)))
             if r.finish_reason is not None:
                 del self.running[r.uid]
                 if self.prefix_cache is not None and r.prompt_cache:

@@ -17,6 +17,8 @@ import numpy as np
 from mlxd.errors import InvalidRequest
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+# Tokens the context may change by between two calls (speculative drafts, rejected).
+ROLLBACK_WINDOW = 64
 
 
 class GrammarTokenizer:
@@ -66,17 +68,15 @@ class GrammarTokenizer:
 
         matcher = LLMatcher(self.ll, grammar, log_level=0)
         vocab = self.vocab_size
-        state = {"base": -1, "consumed": 0}
+        base = [-1]  # context length at the first call (the prompt)
+        seen: list[int] = []  # output tokens the matcher consumed
 
         def process(tokens: mx.array, logits: mx.array) -> mx.array:
             n = int(tokens.shape[0]) if tokens.ndim else 0
-            if state["base"] < 0:
-                state["base"] = n
-            new = n - state["base"] - state["consumed"]
-            if new > 0:
-                for tok in cast(list[int], tokens[n - new:].tolist()):
-                    matcher.consume_token(int(tok))
-                state["consumed"] += new
+            if base[0] < 0:
+                base[0] = n
+            if not _follow(matcher, seen, tokens, base[0], n):
+                return logits  # this position follows a draft the grammar refuses: never kept
             if matcher.is_error():
                 raise RuntimeError(f"constraint failed: {matcher.get_error()}")
             bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
@@ -88,3 +88,27 @@ class GrammarTokenizer:
             return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
         return process
+
+
+def _follow(matcher: Any, seen: list[int], tokens: mx.array, base: int, n: int) -> bool:
+    """Bring ``matcher`` to the output in ``tokens[base:n]``; False if the grammar refuses it.
+
+    Speculative decoding shows the processor contexts with drafted tokens that can
+    be rejected, so the context may shrink or change in its last few tokens: the
+    matcher rolls back to where it agrees with the context, then consumes the rest.
+    """
+    start = max(0, min(len(seen), n - base) - ROLLBACK_WINDOW)  # agreed before this
+    tail = cast(list[int], tokens[base + start:n].tolist()) if n > base + start else []
+    agree = start
+    for tok in tail:
+        if agree >= len(seen) or seen[agree] != tok:
+            break
+        agree += 1
+    if agree < len(seen):
+        matcher.rollback(len(seen) - agree)
+        del seen[agree:]
+    for tok in tail[agree - start:]:
+        if matcher.try_consume_tokens([int(tok)]) != 1:
+            return False
+        seen.append(int(tok))
+    return True

@@ -34,6 +34,7 @@ from mlxd.engines.scheduler import (
     Sequence,
     SerialScheduler,
 )
+from mlxd.engines.speculative import SpeculativeOptions
 from mlxd.engines.structured import GrammarTokenizer
 from mlxd.engines.tool_parsers import tool_call_format
 from mlxd.errors import InvalidRequest, ModelLoadError
@@ -71,6 +72,7 @@ class TextEngineOptions:
     trust_remote_code: bool = False
     prefix_cache_dir: Path | None = None
     group: GroupOptions | None = None  # set when the model is sharded over a group
+    speculative: SpeculativeOptions | None = None  # drafting in the batched scheduler
 
 
 __all__ = ["MLXLanguageModel", "PreparedPrompt", "TextEngineOptions", "context_length_of"]
@@ -169,7 +171,8 @@ class MLXLanguageModel:
             decoder = LMBatchDecoder(model, eos_ids=list(self.tokenizer.eos_token_ids),
                                      max_num_seqs=opts.max_num_seqs,
                                      prefill_step_size=opts.prefill_step_size,
-                                     prefill_batch_size=prefill_batch)
+                                     prefill_batch_size=prefill_batch,
+                                     speculative=opts.speculative)
             return BatchScheduler(
                 decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
                 max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,

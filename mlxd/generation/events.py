@@ -74,6 +74,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    # speculative decoding: draft tokens the model confirmed / refused (OpenAI's names)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

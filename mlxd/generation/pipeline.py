@@ -83,6 +83,8 @@ class OutputPipeline:
         self.stop_sequence: str | None = None
         self.finished = False
         self.queue_seconds: float | None = None  # set by the scheduler on admission
+        self.accepted_prediction_tokens = 0  # speculative decoding, set by the scheduler
+        self.rejected_prediction_tokens = 0
 
     # -- public -----------------------------------------------------------
     @property
@@ -128,6 +130,8 @@ class OutputPipeline:
             completion_tokens=self.completion_tokens,
             cached_tokens=self._opt.cached_tokens,
             reasoning_tokens=self.reasoning_tokens,
+            accepted_prediction_tokens=self.accepted_prediction_tokens,
+            rejected_prediction_tokens=self.rejected_prediction_tokens,
         )
         events.append(Finish(reason, usage, self.stop_sequence, error, self.queue_seconds))
         return events

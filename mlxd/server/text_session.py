@@ -86,14 +86,19 @@ def merge_usage(usages: Iterable[Usage]) -> Usage:
     return Usage(prompt_tokens=items[0].prompt_tokens,
                  completion_tokens=sum(u.completion_tokens for u in items),
                  cached_tokens=items[0].cached_tokens,
-                 reasoning_tokens=sum(u.reasoning_tokens for u in items))
+                 reasoning_tokens=sum(u.reasoning_tokens for u in items),
+                 accepted_prediction_tokens=sum(u.accepted_prediction_tokens for u in items),
+                 rejected_prediction_tokens=sum(u.rejected_prediction_tokens for u in items))
 
 
 def usage_openai(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens}}
+            "completion_tokens_details": {
+                "reasoning_tokens": usage.reasoning_tokens,
+                "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+                "rejected_prediction_tokens": usage.rejected_prediction_tokens}}
 
 
 async def wait_for_disconnect(request: Request) -> None:

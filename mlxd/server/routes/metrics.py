@@ -57,6 +57,10 @@ class ManagerCollector:
                                     "each running sequence)", labels=["model"])
         batch = HistogramMetricFamily("mlxd_batch_size", "Sequences in the batch, observed "
                                       "once per scheduler step", labels=["model"])
+        drafts_ok = CounterMetricFamily("mlxd_speculative_accepted_tokens", "Draft tokens the "
+                                        "model confirmed (speculative decoding)", labels=["model"])
+        drafts_bad = CounterMetricFamily("mlxd_speculative_rejected_tokens", "Draft tokens the "
+                                         "model refused (speculative decoding)", labels=["model"])
         group = _GroupGauges()
         for res in manager.residencies():
             for s in State:
@@ -74,10 +78,13 @@ class ManagerCollector:
             if "batch_sizes" in stats:
                 steps.add_metric([res.name], stats.get("steps", 0))
                 batch.add_metric([res.name], *_batch_buckets(stats["batch_sizes"]))
+            if "draft_accepted" in stats:
+                drafts_ok.add_metric([res.name], stats["draft_accepted"])
+                drafts_bad.add_metric([res.name], stats["draft_rejected"])
             if isinstance(stats.get("group"), dict):
                 group.add(res.name, stats["group"])
         yield from (state, memory, loads, leases, running, waiting, cache, hits, lookups, steps,
-                    batch, *group.families())
+                    batch, drafts_ok, drafts_bad, *group.families())
 
 
 class _GroupGauges:

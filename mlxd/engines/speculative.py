@@ -1,0 +1,334 @@
+"""Speculative decoding inside the batched scheduler: prompt-lookup drafts verified in-batch.
+
+``SpeculativeBatch`` replaces mlx-lm's ``GenerationBatch`` inside a
+``BatchGenerator`` (``install``). On a step where some sequence's recent
+tokens recur earlier in its prompt or output, that sequence drafts the
+tokens that followed the earlier occurrence; every row of the batch then
+runs ONE forward over ``[pending, d1..dK]`` (rows with shorter or no drafts
+are padded), each position is processed and sampled exactly as a plain step
+would (logits processors see the context plus the drafts before it), and a
+row keeps its drafts while each equals the token sampled before it
+("sample, then compare": exact at temperature 0, and for a fixed draft it
+accepts with probability p(d), so sampling keeps its distribution). The
+KV cache is rewound per row: the batch trims the smallest rejection, and
+rows that rejected more are shifted right into their left padding
+(``BatchKVCache.prepare(right_padding)`` + ``finalize``).
+
+Steps where no sequence can draft use mlx-lm's pipelined step unchanged.
+Each sequence's draft length adapts to what it accepted, and a sequence
+whose drafts keep failing backs off exponentially, so text with nothing to
+copy costs (almost) nothing. Only batches whose every layer is a plain
+``BatchKVCache`` speculate: rotating and recurrent caches cannot be rewound
+exactly this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+MODES = ("prompt-lookup", "off")
+# Consecutive failed drafts back a sequence off for 2**fails - 1 steps, at most this many.
+MAX_BACKOFF_STEPS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """How the batched scheduler speculates (from ``--speculative`` and friends)."""
+
+    mode: str = "prompt-lookup"
+    num_draft_tokens: int = 4  # most tokens one sequence drafts per step
+    max_verify_tokens: int = 32  # cap on batch x (1 + drafts) per forward
+    ngram_min: int = 2
+    ngram_max: int = 4
+    stop_ids: frozenset[int] = frozenset()  # never drafted: a stop ends the sequence
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off" and self.num_draft_tokens > 0
+
+
+class PromptLookup:
+    """N-grams of one sequence's tokens -> where their latest continuation starts.
+
+    Holds a reference to the batch's token list for the sequence (prompt plus
+    output, as in the KV cache) and indexes what was appended since the last
+    call, so a lookup is O(1) however long the context.
+    """
+
+    def __init__(self, tokens: list[int], n_min: int, n_max: int) -> None:
+        self.tokens = tokens
+        self.n_min, self.n_max = n_min, n_max
+        self._index: dict[tuple[int, ...], int] = {}
+        self._indexed = 0
+
+    def sync(self) -> None:
+        """Index the tokens appended since the last call."""
+        toks = self.tokens
+        for end in range(max(self._indexed, 1), len(toks)):
+            # the n-gram ending at ``end - 1`` is followed by the token at ``end``
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self._index[tuple(toks[end - n:end])] = end
+        self._indexed = max(self._indexed, len(toks))
+
+    def has_match(self) -> bool:
+        """Whether the committed context's own suffix occurred before (a cheap hint, no sync)."""
+        toks = self.tokens
+        return any(tuple(toks[-n:]) in self._index
+                   for n in range(self.n_min, min(self.n_max, len(toks)) + 1))
+
+    def draft(self, pending: int, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the context's
+        suffix (committed tokens + ``pending``), longest n-gram first."""
+        toks = self.tokens
+        for n in range(min(self.n_max, len(toks) + 1), self.n_min - 1, -1):
+            pos = self._index.get((*toks[len(toks) - n + 1:], pending))
+            if pos is not None:
+                return toks[pos:pos + k]
+        return []
+
+
+@dataclass
+class RowState:
+    """One sequence's drafting state."""
+
+    lookup: PromptLookup
+    k: int
+    skip: int = 0
+    fails: int = 0
+
+    def ready(self) -> bool:
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        self.lookup.sync()
+        return self.lookup.has_match()
+
+    def update(self, drafted: int, accepted: int, k_max: int) -> None:
+        """Adapt the draft length: grow after a full acceptance, shrink to what was accepted
+        plus one, and back off exponentially while drafts keep failing."""
+        if accepted == drafted:
+            self.k = min(k_max, self.k + 1)
+        else:
+            self.k = max(1, accepted + 1)
+        if accepted == 0:
+            self.fails += 1
+            self.skip = min(MAX_BACKOFF_STEPS, (1 << self.fails) - 1)
+        else:
+            self.fails = 0
+
+
+@dataclass
+class SpecCounts:
+    """Draft tokens one sequence had accepted and rejected (for usage and /metrics)."""
+
+    accepted: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class _Plan:
+    pending: list[int]
+    drafts: list[list[int]] = field(default_factory=list)
+
+
+class SpeculativeBatch(GenerationBatch):
+    """mlx-lm's ``GenerationBatch`` plus in-batch verification of prompt-lookup drafts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.options = SpeculativeOptions()
+        self._rows: dict[int, RowState] = {}
+        self.counts: dict[int, SpecCounts] = {}
+        self.totals = SpecCounts()
+        self.verify_steps = 0
+
+    # -- planning ------------------------------------------------------------
+    def _row(self, i: int) -> RowState:
+        uid = self.uids[i]
+        state = self._rows.get(uid)
+        if state is None or state.lookup.tokens is not self.tokens[i]:
+            opts = self.options
+            state = RowState(PromptLookup(self.tokens[i], opts.ngram_min, opts.ngram_max),
+                             k=opts.num_draft_tokens)
+            self._rows[uid] = state
+        return state
+
+    def _prune(self) -> None:
+        if len(self._rows) > len(self.uids):
+            live = set(self.uids)
+            self._rows = {u: s for u, s in self._rows.items() if u in live}
+
+    def _plan(self) -> _Plan | None:
+        """Drafts for this step, or None to take mlx-lm's plain pipelined step."""
+        opts = self.options
+        batch = len(self.uids)
+        budget = opts.max_verify_tokens // batch - 1
+        if budget < 1 or not all(type(c) is BatchKVCache for c in self.prompt_cache):
+            return None
+        self._prune()
+        candidates = [i for i in range(batch) if self._row(i).ready()]
+        if not candidates:
+            return None
+        mx.eval(self._next_tokens)
+        plan = _Plan(pending=[int(t) for t in cast(list[int], self._next_tokens.tolist())])
+        plan.drafts = [[] for _ in range(batch)]
+        for i in candidates:
+            state = self._rows[self.uids[i]]
+            k = min(state.k, budget, self.max_tokens[i] - self._num_tokens[i] - 1)
+            if k <= 0:
+                continue
+            draft = state.lookup.draft(plan.pending[i], k)
+            for j, tok in enumerate(draft):
+                if tok in opts.stop_ids:
+                    draft = draft[:j]
+                    break
+            plan.drafts[i] = draft
+        return plan if any(plan.drafts) else None
+
+    # -- one verify step -----------------------------------------------------
+    def _verify(self, plan: _Plan) -> tuple[list[list[int]], list[list[mx.array]]]:
+        """Forward ``[pending, drafts..]`` for every row, sample every position, keep each
+        row's drafts up to the first mismatch, rewind the rest; returns the tokens (and
+        their logprobs) now in the cache for each row."""
+        drafts, pending = plan.drafts, plan.pending
+        width = max(len(d) for d in drafts)
+        rows = [[pending[i], *d, *([pending[i]] * (width - len(d)))] for i, d in enumerate(drafts)]
+        inputs = mx.array(rows, dtype=self._next_tokens.dtype)
+        logits = self.model(inputs, cache=self.prompt_cache)
+        processors = self.logits_processors or []
+        if any(processors):
+            logits = self._process(logits, inputs, drafts)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = self._sample(logprobs)
+        mx.eval(sampled, logprobs)
+        picks = cast(list[list[int]], sampled.tolist())
+        out_tokens: list[list[int]] = []
+        out_logprobs: list[list[mx.array]] = []
+        next_tokens, next_logprobs, rejected = [], [], []
+        for i, draft in enumerate(drafts):
+            a = 0
+            while a < len(draft) and picks[i][a] == draft[a]:
+                a += 1
+            out_tokens.append([pending[i], *draft[:a]])
+            out_logprobs.append([self._next_logprobs[i], *(logprobs[i, j] for j in range(a))])
+            next_tokens.append(picks[i][a])
+            next_logprobs.append(logprobs[i, a])
+            rejected.append(width - a)
+            self.tokens[i].extend(out_tokens[-1])
+            if processors and processors[i] and a:
+                self._token_context[i].update_and_fetch(mx.array(draft[:a], dtype=mx.int32))
+            if draft:
+                self._account(i, len(draft), a)
+        self._rewind(rejected)
+        self._next_tokens = mx.array(next_tokens, dtype=self._next_tokens.dtype)
+        self._next_logprobs = next_logprobs
+        self.verify_steps += 1
+        return out_tokens, out_logprobs
+
+    def _account(self, i: int, drafted: int, accepted: int) -> None:
+        self._rows[self.uids[i]].update(drafted, accepted, self.options.num_draft_tokens)
+        counts = self.counts.setdefault(self.uids[i], SpecCounts())
+        counts.accepted += accepted
+        counts.rejected += drafted - accepted
+        self.totals.accepted += accepted
+        self.totals.rejected += drafted - accepted
+
+    def _process(self, logits: mx.array, inputs: mx.array, drafts: list[list[int]]) -> mx.array:
+        """Run each row's processors at every position it drafted, with the context a plain
+        step would have had there (prompt, output, pending token, drafts before it)."""
+        out = []
+        for e, processors in enumerate(self.logits_processors or []):
+            if not processors:
+                out.append(logits[e])
+                continue
+            context = self._token_context[e].update_and_fetch(inputs[e, :1])
+            positions = []
+            for j in range(logits.shape[1]):
+                row = logits[e, j:j + 1]
+                if j <= len(drafts[e]):  # past a row's drafts is padding: left as is
+                    ctx = context if j == 0 else mx.concatenate([context, inputs[e, 1:j + 1]
+                                                                 .astype(context.dtype)])
+                    for processor in processors:
+                        row = processor(ctx, row)
+                positions.append(row)
+            out.append(mx.concatenate(positions, axis=0))
+        return mx.stack(out)
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        batch, width, vocab = logprobs.shape
+        given: list[Any] = list(self.samplers) if self.samplers else [None] * batch
+        samplers = [self.fallback_sampler if s is None else s for s in given]
+        if all(s is samplers[0] for s in samplers):
+            return samplers[0](logprobs.reshape(batch * width, vocab)).reshape(batch, width)
+        return mx.stack([s(logprobs[e]) for e, s in enumerate(samplers)])
+
+    def _rewind(self, rejected: list[int]) -> None:
+        """Drop each row's rejected positions: trim what all rows rejected, then shift rows
+        that rejected more to the right so their stale slots become left padding."""
+        common = min(rejected)
+        extra = [r - common for r in rejected]
+        for cache in self.prompt_cache:
+            if common:
+                cache.trim(common)
+            if any(extra):
+                cache.prepare(right_padding=extra)
+                cache.finalize()
+
+    # -- the step mlx-lm's BatchGenerator calls --------------------------------
+    def next(self) -> list[GenerationBatch.Response]:
+        if not self.uids:
+            return []
+        plan = self._plan()
+        if plan is None:
+            return super().next()
+        tokens, logprobs = self._verify(plan)
+        return self._respond(tokens, logprobs)
+
+    def _respond(self, tokens: list[list[int]],
+                 logprobs: list[list[mx.array]]) -> list[GenerationBatch.Response]:
+        """One response per token, in order; a finishing row's last one carries its cache."""
+        keep, responses = [], []
+        for i, uid in enumerate(self.uids):
+            finish = None
+            for tok, lp in zip(tokens[i], logprobs[i]):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(tok):
+                    finish = "stop"
+                done = finish is not None
+                responses.append(self.Response(
+                    uid=uid, token=tok, logprobs=lp, finish_reason=finish,
+                    prompt_cache=self.extract_cache(i) if done else None,
+                    all_tokens=self.tokens[i] if done else None))
+                if done:
+                    break
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+def install(gen: BatchGenerator, options: SpeculativeOptions) -> SpeculativeBatch:
+    """Make ``gen`` decode through a ``SpeculativeBatch`` (it must not have started)."""
+    old = gen._generation_batch
+    if len(old):
+        raise RuntimeError("install speculation before the first sequence joins")
+    spec = SpeculativeBatch.empty(gen.model, gen.sampler)
+    spec.options = options
+    gen._generation_batch = spec
+    return spec
+
+
+def pop_counts(batch: SpeculativeBatch | None, uids: Sequence[int]) -> dict[int, SpecCounts]:
+    """Take the draft counts of sequences that have left (or are leaving) the batch."""
+    if batch is None:
+        return {}
+    return {u: batch.counts.pop(u) for u in uids if u in batch.counts}

@@ -1,0 +1,195 @@
+"""Speculative decoding (prompt lookup) inside the batched scheduler.
+
+Exactness is checked against the same decoder with speculation off, on real
+models: a tiny random Llama (greedy random models fall into loops that prompt
+lookup drafts) and SmolLM2-135M copying text from its prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
+from mlxd.engines.sampling import build_sampler, greedy
+from mlxd.engines.speculative import PromptLookup, SpeculativeOptions
+from mlxd.engines.structured import GrammarTokenizer
+from mlxd.generation.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model: Path) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    return load(str(tiny_model))
+
+
+def decode(lm: tuple[Any, Any], jobs: list[dict[str, Any]], *, spec: bool, k: int = 4,
+           max_num_seqs: int = 8) -> tuple[list[list[int]], tuple[int, int], list[list[float]]]:
+    """Run ``jobs`` through one ``LMBatchDecoder``; a job with ``join`` enters at that step.
+    Returns each job's tokens, the (accepted, rejected) totals and each token's top-2 margin."""
+    model, tok = lm
+    eos = sorted(tok.eos_token_ids)
+    decoder = LMBatchDecoder(model, eos_ids=eos, max_num_seqs=max_num_seqs,
+                             prefill_step_size=512,
+                             speculative=SpeculativeOptions(
+                                 mode="prompt-lookup" if spec else "off", num_draft_tokens=k))
+    out: list[list[int]] = [[] for _ in jobs]
+    margins: list[list[float]] = [[] for _ in jobs]
+    waiting = list(enumerate(jobs))
+    owner: dict[int, int] = {}
+    done, step = 0, 0
+    while done < len(jobs):
+        for j, job in [w for w in waiting if w[1].get("join", 0) <= step]:
+            uid = decoder.insert(SimpleNamespace(tokens=job["tokens"]), 0, None,  # type: ignore[arg-type]
+                                 job.get("sampler", greedy), job.get("procs", []), set(eos),
+                                 job["max"])
+            owner[uid] = j
+            waiting.remove((j, job))
+        _, responses = decoder.next()
+        for r in responses:
+            out[owner[r.uid]].append(r.token)
+            top2 = mx.topk(r.logprobs, 2).tolist()
+            margins[owner[r.uid]].append(abs(top2[1] - top2[0]))
+            done += r.finish_reason is not None
+        step += 1
+    totals = decoder.draft_totals()
+    decoder.close()
+    return out, totals, margins
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_occurrence() -> None:
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2]
+    lookup = PromptLookup(tokens, 2, 3)
+    lookup.sync()
+    assert lookup.draft(3, 4) == [7, 8, 2]  # (2, 3): its latest occurrence, not the first
+    assert lookup.draft(6, 4) == []  # (2, 6) never seen
+    tokens.append(3)
+    lookup.sync()
+    assert lookup.draft(7, 2) == [8, 2]  # (2, 3, 7), indexed incrementally
+    tokens[:] = [5, 5, 5]
+    fresh = PromptLookup(tokens, 2, 3)
+    fresh.sync()
+    assert fresh.draft(5, 3) == [5]  # a run of one token drafts itself
+
+
+def test_greedy_identical_in_mixed_batches(tiny_lm: tuple[Any, Any]) -> None:
+    """Drafting and non-drafting rows share the batch, a row joins mid-run, and max_tokens
+    falls inside what a row could draft: every token equals decoding without speculation."""
+    _, tok = tiny_lm
+    source = Path(math.__file__).read_text() if not math.__file__.endswith(".so") else ""
+    code = tok.encode(source or Path(__file__).read_text())
+    jobs = [
+        {"tokens": code[:200], "max": 48},
+        {"tokens": tok.encode("hello world, hello world, hello world, hello"), "max": 37},
+        {"tokens": code[100:160], "max": 41, "join": 3},  # joins while others decode
+        {"tokens": code[40:70] + code[40:70], "max": 7},  # ends inside a draft's reach
+        {"tokens": tok.encode("lolo lolo lolo lolo lo"), "max": 23, "join": 5},
+    ]
+    plain, _, margins = decode(tiny_lm, jobs, spec=False)
+    fast, (accepted, _), _ = decode(tiny_lm, jobs, spec=True)
+    assert [len(t) for t in plain] == [j["max"] for j in jobs]
+    assert fast == plain
+    assert accepted > 40  # it really drafted (tokens beyond one per step)
+    assert min(min(m) for m in margins) > 1e-4  # no near-ties that could flip either way
+
+
+def test_grammar_rejects_drafts_it_forbids(tiny_lm: tuple[Any, Any]) -> None:
+    """The prompt makes prompt lookup draft ' lo', which the grammar forbids: those drafts
+    are rejected and the constrained output equals decoding without speculation."""
+    from llguidance import LLMatcher
+
+    model, tok = tiny_lm
+    grammar = GrammarTokenizer(tok.backend_tokenizer, model.args.vocab_size,
+                               sorted(tok.eos_token_ids))
+    regex = LLMatcher.grammar_from_regex("(lo)+")
+    prompt = tok.encode("lolo lolo lolo lolo lolo lolo lo")
+
+    def jobs() -> list[dict[str, Any]]:
+        return [{"tokens": prompt, "max": 30, "procs": [grammar.processor(regex)]},
+                {"tokens": prompt, "max": 30}]  # an unconstrained row in the same batch
+
+    plain, _, _ = decode(tiny_lm, jobs(), spec=False)
+    fast, (accepted, rejected), _ = decode(tiny_lm, jobs(), spec=True)
+    assert fast == plain
+    assert set(tok.decode(plain[0]).replace("lo", "")) == set()
+    assert accepted > 0 and rejected > 0
+
+
+def test_grammar_processor_rolls_back_to_a_shorter_context(tiny_lm: tuple[Any, Any]) -> None:
+    """Fed a context with drafts, then the shorter accepted one, the mask equals that of a
+    processor that only ever saw the accepted context."""
+    from llguidance import LLMatcher
+
+    model, tok = tiny_lm
+    grammar = GrammarTokenizer(tok.backend_tokenizer, model.args.vocab_size,
+                               sorted(tok.eos_token_ids))
+    regex = LLMatcher.grammar_from_regex("(lo|la)+x")
+    prompt = tok.encode("hi")
+    lo, la = tok.encode("lo"), tok.encode("la")
+    logits = mx.zeros((1, model.args.vocab_size))
+    spec, plain = grammar.processor(regex), grammar.processor(regex)
+    spec(mx.array(prompt), logits)
+    plain(mx.array(prompt), logits)
+    spec(mx.array(prompt + lo + la + lo), logits)  # drafts
+    spec(mx.array(prompt + lo + la + tok.encode("7")), logits)  # a refused draft: no error
+    got = spec(mx.array(prompt + lo + lo), logits)  # accepted: 'lo', then 'lo' sampled
+    plain(mx.array(prompt + lo), logits)
+    want = plain(mx.array(prompt + lo + lo), logits)
+    assert mx.array_equal(got, want)
+
+
+def _chi2_critical(dof: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    a = 2.0 / (9.0 * dof)
+    return dof * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def _two_sample_chi2(a: Counter[Any], b: Counter[Any], min_count: int = 5) -> tuple[float, int]:
+    """Chi-square statistic of two samples of equal size over pooled categories."""
+    keys = sorted(set(a) | set(b), key=lambda x: -(a[x] + b[x]))
+    cells, rest = [], [0, 0]
+    for key in keys:
+        if a[key] + b[key] >= 2 * min_count:
+            cells.append((a[key], b[key]))
+        else:
+            rest[0] += a[key]
+            rest[1] += b[key]
+    if sum(rest):
+        cells.append((rest[0], rest[1]))
+    stat = sum((x - y) ** 2 / (x + y) for x, y in cells if x + y)
+    return stat, max(1, len(cells) - 1)
+
+
+def test_sampling_keeps_the_distribution(tiny_lm: tuple[Any, Any]) -> None:
+    """Sample, then compare: with a fixed seed and top-k sampling, token frequencies at the
+    positions where drafts were accepted match non-speculative sampling (two-sample
+    chi-square per position, each below the p = 0.001 critical value)."""
+    _, tok = tiny_lm
+    prompt = tok.encode("lolo lolo lolo lolo lolo lolo lo")
+    n, length = 96, 6
+    sampler: Callable[[mx.array], mx.array] = build_sampler(
+        SamplingParams(temperature=0.7, top_k=3))
+
+    def samples(spec: bool, seed: int) -> tuple[list[list[int]], int]:
+        mx.random.seed(seed)  # different seeds: the two samples must be independent
+        jobs = [{"tokens": prompt, "max": length, "sampler": sampler} for _ in range(n)]
+        out, (accepted, _), _ = decode(tiny_lm, jobs, spec=spec, max_num_seqs=8)
+        return out, accepted
+
+    plain, _ = samples(False, 7)
+    fast, accepted = samples(True, 8)
+    assert accepted > 30  # drafts were accepted at sampled positions
+    for pos in range(1, length):
+        stat, dof = _two_sample_chi2(Counter(s[pos] for s in plain), Counter(s[pos] for s in fast))
+        assert stat < _chi2_critical(dof), (pos, stat, dof)
+    pairs = _two_sample_chi2(Counter(tuple(s[1:3]) for s in plain),
+                             Counter(tuple(s[1:3]) for s in fast))
+    assert pairs[0] < _chi2_critical(pairs[1]), pairs
