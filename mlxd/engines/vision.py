@@ -130,9 +130,11 @@ class MLXMultimodalLM(MLXLanguageModel):
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
+        features = self.features
         out.update(model_type=self.model_type,
                    patches=self._patches.names if self._patches else [],
-                   feature_cache_bytes=self.features.nbytes if self.features else 0)
+                   feature_cache_bytes=features.nbytes if features else 0,
+                   feature_cache_hits=features.hits if features else 0)
         return out
 
     def stats(self) -> dict[str, Any]:
