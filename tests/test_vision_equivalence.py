@@ -137,13 +137,12 @@ def answers(srv: Any, site: MediaSite, i: int, remote: bool) -> dict[str, tuple[
 
 def test_every_sdk_gets_the_same_answer_about_the_same_image(vlm: Any, site: MediaSite) -> None:
     seen: dict[str, int] = {}
-    for i in range(len(COLOURS)):
-        for remote in (False, True):
-            got = answers(vlm, site, i, remote)
-            assert got["anthropic"] == got["openai"] == got["responses"], (i, remote, got)
-            seen.setdefault(got["openai"][0], i)
+    for i, remote in ((0, False), (1, False), (0, True)):  # fetched URLs: one colour is enough
+        got = answers(vlm, site, i, remote)
+        assert got["anthropic"] == got["openai"] == got["responses"], (i, remote, got)
+        seen.setdefault(got["openai"][0], i)
     # the image reaches the model through every API: the two colours get different answers
-    assert len(seen) > 1, seen
+    assert len(seen) == 2, seen
 
 
 def test_a_video_gets_the_same_answer_through_openai_and_anthropic(vlm: Any) -> None:
