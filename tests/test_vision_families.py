@@ -76,6 +76,9 @@ def test_family_serves_an_image_that_changes_the_output(vlm_server: RunningServe
     blue = first_logprobs(client, family, png((30, 50, 220)))
     assert red != blue  # the image reaches the model
     assert red == first_logprobs(client, family, png((220, 30, 30)))  # and deterministically
+    card = {m["id"]: m for m in vlm_server.client().get("/v1/models").json()["data"]}[family]
+    assert card["kind"] == "vision"  # detected from its vision tower: mlx-vlm, never mlx-lm
+    assert card["model_type"] == family
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -108,3 +111,22 @@ def test_batched_equals_alone_with_mid_decode_joins(vlm_server: RunningServer,
     for t in threads:
         t.join(120)
     assert together == alone
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_video_request_reaches_the_model(vlm_server: RunningServer, family: str) -> None:
+    import openai
+
+    from tests.helpers.media_samples import data_url, video
+
+    client = openai.OpenAI(base_url=vlm_server.url + "/v1", api_key="x")
+
+    def top(clip: bytes) -> list[float]:
+        r = client.chat.completions.create(
+            model=family, max_tokens=1, temperature=0, logprobs=True, top_logprobs=5,
+            messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}},
+                {"type": "text", "text": "What happens?"}]}])
+        return [t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs]
+
+    assert top(video(seconds=1.0)) != top(video(seconds=2.0, width=96))
