@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
@@ -36,6 +36,14 @@ Task = Literal["transcribe", "translate"]
 _LIST_FIELDS = {"timestamp_granularities[]": "timestamp_granularities",
                 "timestamp_granularities": "timestamp_granularities"}
 _TRANSCRIBE_ONLY = ("language", "timestamp_granularities", "stream")
+# json / verbose_json are JSON objects; text, srt and vtt are plain text.
+RESPONSES: dict[str, Any] = {
+    "description": "The transcript in ``response_format``",
+    "content": {"application/json": {"schema": {"type": "object", "required": ["text"],
+                                                "properties": {"text": {"type": "string"}}}},
+                "text/plain": {"schema": {"type": "string"}},
+                "application/x-subrip": {"schema": {"type": "string"}},
+                "text/vtt": {"schema": {"type": "string"}}}}
 
 
 def parse_form(form: MultipartForm, task: Task) -> TranscriptionForm:
@@ -95,14 +103,16 @@ async def _serve(request: Request, ctx: ServerContext, task: Task, endpoint: str
     return render(transcript, form.response_format, task, form.timestamp_granularities)
 
 
-@router.post(TRANSCRIPTIONS, openapi_extra={"requestBody": form_schema(translation=False)})
+@router.post(TRANSCRIPTIONS, openapi_extra={"requestBody": form_schema(translation=False)},
+             responses={200: RESPONSES})
 async def create_transcription(request: Request,
                                ctx: ServerContext = Depends(get_ctx)) -> Response:
     """Transcribe an uploaded recording (multipart ``file``) in its own language."""
     return await _serve(request, ctx, "transcribe", TRANSCRIPTIONS)
 
 
-@router.post(TRANSLATIONS, openapi_extra={"requestBody": form_schema(translation=True)})
+@router.post(TRANSLATIONS, openapi_extra={"requestBody": form_schema(translation=True)},
+             responses={200: RESPONSES})
 async def create_translation(request: Request,
                              ctx: ServerContext = Depends(get_ctx)) -> Response:
     """Translate an uploaded recording into English text."""
