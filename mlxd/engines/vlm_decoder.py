@@ -133,6 +133,11 @@ class VLMBatchDecoder:
         return int(uid)
 
     def next(self) -> tuple[list[PromptProgress], list[TokenResponse]]:
+        gen = self._gen
+        # mlx-vlm admits waiting prompts only when ``prefill_batch_size`` slots are free:
+        # a fixed size would hold newcomers back until the whole batch finished.
+        free = gen.completion_batch_size - len(gen._generation_batch)
+        gen.prefill_batch_size = max(1, min(free, len(gen._unprocessed_sequences)))
         t0 = time.perf_counter()
         prompt_before = self._gen._prompt_tokens_counter
         had_decoding = len(self._gen._generation_batch) > 0
