@@ -161,6 +161,14 @@ def run_agent_trace(args: argparse.Namespace) -> dict[str, Any]:
     return {"exit_code": agent_trace.main(argv)}
 
 
+def run_vision(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench/vision.py`` (its own results: ``vision.md``); a small model with --quick."""
+    from bench import vision
+
+    argv = ["--home", str(args.home), "--out", str(args.out)]
+    return {"exit_code": vision.main([*argv, "--quick"] if args.quick else argv)}
+
+
 def plot_series(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Throughput levels per contender, the raw BatchGenerator as one more line."""
     series = {n: s.get("throughput", []) for n, s in results["servers"].items()
@@ -189,6 +197,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--embeddings", action="store_true", help="also run bench/embeddings.py")
     p.add_argument("--no-agent-trace", action="store_true",
                    help="skip the agent trace (bench/agent_trace.py)")
+    p.add_argument("--no-vision", action="store_true",
+                   help="skip the vision benchmark (bench/vision.py)")
     p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--tag", default=None, help="result file names (default latest / quick)")
@@ -227,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         results["embeddings"] = run_embeddings(args.quick)
     if not args.no_agent_trace:
         results["agent_trace"] = run_agent_trace(args)
+    if not args.no_vision:
+        results["vision"] = run_vision(args)
     write_json(args.out / f"{tag}.json", results)
     report = markdown(results)
     (args.out / f"{tag}.md").write_text(report)
