@@ -25,6 +25,7 @@ CHECKS = (
     "loopback", "private_10_8", "link_local_metadata", "loopback_ipv6", "ipv4_mapped_ipv6",
     "localhost_by_name", "redirect_to_loopback", "redirect_to_private", "redirect_to_metadata",
     "public_fetch_works", "connects_to_the_checked_address", "any_private_answer_refuses",
+    "https_to_the_checked_address_with_the_name_verified",
     "server_chat_metadata", "server_anthropic_private", "server_responses_redirect",
     "tripwires_untouched",
 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -94,14 +95,15 @@ class MediaFetcher:
 
     def __init__(self, *, timeout: float, allow_private: bool = False,
                  resolver: Resolver | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 verify: ssl.SSLContext | bool = True) -> None:
         self.timeout = timeout
         self.allow_private = allow_private
         self.resolver = resolver or system_resolver
         # trust_env=False: an environment proxy would connect somewhere other than the
         # address checked here.
         self.client = httpx.AsyncClient(timeout=timeout, follow_redirects=False,
-                                        trust_env=False, transport=transport)
+                                        trust_env=False, transport=transport, verify=verify)
 
     async def aclose(self) -> None:
         await self.client.aclose()

@@ -147,3 +147,73 @@ class MediaSite:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class TLSSite:
+    """An https server whose certificate names only ``name``; serves ``body`` to every GET
+    and records the TLS SNI and Host header of each request in ``seen``."""
+
+    def __init__(self, folder: Path, host: str, body: bytes,
+                 name: str = "images.example") -> None:
+        import socket
+        import ssl
+        import threading
+
+        cert, key = _self_signed(folder, name)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        self.seen: list[str] = []
+        context.sni_callback = self._sni  # type: ignore[assignment]
+        self.trust = ssl.create_default_context(cafile=str(cert))
+        self.listener = socket.create_server((host, 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.body, self.context = body, context
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _sni(self, sock: object, sni: str | None, ctx: object) -> None:
+        self.seen.append(f"sni:{sni}")
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                with self.context.wrap_socket(conn, server_side=True) as tls:
+                    head = tls.recv(65536).decode()
+                    self.seen.append(next(h for h in head.split("\r\n") if h.startswith("Host:")))
+                    tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                % (len(self.body), self.body))
+            except (OSError, StopIteration):
+                pass  # a client that refused the certificate
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _self_signed(folder: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate (its own CA) for ``name``, with cryptography (mlx-vlm's)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+            .public_key(key.public_key()).serial_number(1)
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    return folder / "cert.pem", folder / "key.pem"

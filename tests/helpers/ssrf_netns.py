@@ -26,7 +26,7 @@ from mlxd.errors import MlxdError
 from mlxd.media.fetch import MediaFetcher
 from mlxd.media.limits import MediaLimits
 from mlxd.media.resolve import resolve_media
-from tests.helpers.media_samples import MediaSite, image_part, png, vision_folder
+from tests.helpers.media_samples import MediaSite, TLSSite, image_part, png, vision_folder
 
 PUBLIC = "1.1.1.1"  # only on this namespace's loopback
 FORBIDDEN = ("127.0.0.1", "10.1.2.3", "169.254.169.254", "::1")
@@ -109,7 +109,28 @@ def checks(site: MediaSite) -> dict[str, Callable[[], None]]:
         refused("http://images.example/cat.png",
                 lambda lim: MediaFetcher(timeout=5.0, resolver=resolver))
 
+    def https_pinned() -> None:
+        # the connection goes to the checked address while TLS checks the name (SNI, cert)
+        tls = TLSSite(Path(tempfile.mkdtemp(prefix="tls-")), PUBLIC, site.routes["/cat.png"][2])
+        resolver, _ = fake_resolver([PUBLIC])
+
+        def fetcher(limits: MediaLimits) -> MediaFetcher:
+            return MediaFetcher(timeout=5.0, resolver=resolver, verify=tls.trust)
+
+        try:
+            url = f"https://images.example:{tls.port}/cat.png"
+            out = asyncio.run(resolve_media(
+                [{"role": "user", "content": [image_part(url)]}], LIMITS, make_fetcher=fetcher))
+            assert out[0]["content"][0]["image"].data == site.routes["/cat.png"][2]
+            assert tls.seen[-2:] == ["sni:images.example", f"Host: images.example:{tls.port}"]
+            # a name the certificate does not carry fails verification: it is not skipped
+            message = refused(f"https://other.example:{tls.port}/cat.png", fetcher)
+            assert "Could not fetch" in message, message
+        finally:
+            tls.close()
+
     return {
+        "https_to_the_checked_address_with_the_name_verified": https_pinned,
         "loopback": direct("http://127.0.0.1/cat.png", "loopback"),
         "private_10_8": direct("http://10.1.2.3/cat.png", "private"),
         "link_local_metadata": direct("http://169.254.169.254/latest/meta-data/", "link-local"),
