@@ -3,6 +3,8 @@
 Whisper folders (mlx-whisper's layout: ModelDimensions in ``config.json``) run
 through mlx-whisper's window-by-window loop (``stt_whisper.py``); the
 CTranslate2 starter is converted to that layout when its source is resolved.
+Other folders whose ``model_type`` is one of mlx-audio's speech-recognition
+families load through mlx-audio's loader (``stt_mlx_audio.py``).
 Weights are float32 on a CPU (MLX's float16 CPU kernels are ~8x slower) and
 float16 on a GPU. Every request runs as one job on the model's ``ModelWorker``:
 concurrent uploads queue there in arrival order, never on the event loop.
@@ -29,6 +31,12 @@ from mlxd.engines.base import (
     TranscriptWord,
 )
 from mlxd.engines.device import device_name, weights_nbytes
+from mlxd.engines.stt_mlx_audio import (
+    check_request,
+    load_mlx_audio,
+    mlx_audio_model_type,
+    run_mlx_audio,
+)
 from mlxd.engines.stt_whisper import (
     bind_transcribe,
     check_language,
@@ -45,7 +53,7 @@ SILENCE_PEAK = 1e-4  # about -80 dBFS: nothing a recogniser could hear
 
 
 class STTEngine:
-    """A Whisper model served one recording at a time on its worker thread."""
+    """A speech recogniser served one recording at a time on its worker thread."""
 
     kind = "stt"
 
@@ -56,27 +64,35 @@ class STTEngine:
         self.model: Any = None
         self._transcribe: Any = None
         self._weights = 0
+        self.backend = "unloaded"
         self._lock = threading.Lock()  # counters: read on the event loop, written on the worker
         self._counts = {"requests": 0, "running": 0, "audio_seconds": 0.0, "busy_seconds": 0.0}
 
     # -- lifecycle (worker thread) -------------------------------------------------------
     def load(self) -> None:
         """Load the weights (float32 on CPU); raises ``ModelLoadError`` with the reason."""
-        if not is_whisper_folder(self.path):
-            raise ModelLoadError(self.name, f"{self.path} is not a Whisper model folder "
-                                            "(config.json with n_mels / n_audio_ctx and "
-                                            "weights.safetensors); convert it first")
         dtype = mx.float32 if device_name() == "cpu" else mx.float16
+        family = None if is_whisper_folder(self.path) else mlx_audio_model_type(self.path)
+        if family is None and not is_whisper_folder(self.path):
+            raise ModelLoadError(self.name, f"{self.path} is neither a Whisper folder "
+                                            "(config.json with n_mels / n_audio_ctx and "
+                                            "weights.safetensors) nor an mlx-audio speech "
+                                            "recognition family (config.json model_type)")
         try:
-            self.model = load_whisper(self.name, self.path, dtype)
+            if family is None:
+                self.model = load_whisper(self.name, self.path, dtype)
+                self._transcribe = bind_transcribe(self.name, self.model)
+            else:
+                self.model = load_mlx_audio(self.name, self.path)
+                self.model.set_dtype(dtype)
+                mx.eval(self.model.parameters())
         except ModelLoadError:
             raise
         except Exception as e:
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
-        self._transcribe = bind_transcribe(self.name, self.model)
+        self.backend = "mlx-whisper" if family is None else f"mlx-audio ({family})"
         self._weights = weights_nbytes(self.model)
-        log.info("stt model %s: whisper %s, %s", self.name,
-                 "multilingual" if self.model.is_multilingual else "English-only", dtype)
+        log.info("stt model %s: %s, %s", self.name, self.backend, dtype)
 
     def close(self) -> None:
         """Drop the weights. Safe to call twice."""
@@ -90,11 +106,10 @@ class STTEngine:
         return self._weights
 
     def describe(self) -> dict[str, Any]:
-        dims = self.model.dims if self.model is not None else None
-        return {"backend": "mlx-whisper", "sample_rate": 16_000, "window_seconds": 30,
-                "multilingual": bool(self.model.is_multilingual) if self.model else None,
-                "n_mels": dims.n_mels if dims else None,
-                "dtype": str(self.model.encoder.conv1.weight.dtype) if self.model else None}
+        whisper = self.model is not None and self._transcribe is not None
+        return {"backend": self.backend, "sample_rate": 16_000, "window_seconds": 30,
+                "multilingual": bool(self.model.is_multilingual) if whisper else None,
+                "n_mels": self.model.dims.n_mels if whisper else None}
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -122,9 +137,13 @@ class STTEngine:
     def _run(self, request: TranscriptionRequest, duration: float) -> Transcription:
         if self.model is None:
             raise InvalidRequest(f"Model '{self.name}' is not loaded.")
-        language = check_language(self.name, self.model, request)
         t0 = time.monotonic()
-        result = run_whisper(self._transcribe, self.model, request, language)
+        if self._transcribe is not None:
+            language = check_language(self.name, self.model, request)
+            result = run_whisper(self._transcribe, self.model, request, language)
+        else:
+            check_request(self.name, request)
+            result = run_mlx_audio(self.model, request)
         with self._lock:
             self._counts["audio_seconds"] += duration
             self._counts["busy_seconds"] += time.monotonic() - t0

@@ -4,9 +4,11 @@ Piper voice, containers written by PyAV, and the word error rate of a transcript
 from __future__ import annotations
 
 import io
+import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import av
 import numpy as np
@@ -91,3 +93,28 @@ def word_error_rate(reference: str, hypothesis: str) -> float:
         for j, h in enumerate(hyp, start=1):
             prev, dist[j] = dist[j], min(dist[j] + 1, dist[j - 1] + 1, prev + (r != h))
     return dist[len(hyp)] / max(1, len(ref))
+
+
+def build_tiny_moonshine(folder: Path, seed: int = 0) -> Path:
+    """A random-weight Moonshine (mlx-audio's own architecture, tiny sizes) saved as a
+    Hugging Face checkpoint is: ``model.``-prefixed names, conv weights (out, in, k)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_audio.stt.models.moonshine.config import ModelConfig
+    from mlx_audio.stt.models.moonshine.moonshine import Model
+
+    config = {"model_type": "moonshine", "vocab_size": 256, "hidden_size": 32,
+              "intermediate_size": 64, "encoder_num_hidden_layers": 1,
+              "decoder_num_hidden_layers": 1, "encoder_num_attention_heads": 2,
+              "decoder_num_attention_heads": 2, "max_position_embeddings": 64}
+    mx.random.seed(seed)
+    model = Model(ModelConfig.from_dict(config))
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if "conv" in name and name.endswith("weight") and value.ndim == 3:
+            value = mx.transpose(value, (0, 2, 1))
+        weights["model." + name] = value
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
