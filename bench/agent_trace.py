@@ -5,10 +5,10 @@ Models: SmolLM2-135M float32 (the starter model, through mlxd's converter) and a
 hybrid model of realistic shape with random weights (``qwen3_next``: gated
 delta-net layers with one attention layer in four, ~120M parameters, SmolLM2's
 tokenizer and chat template). mlxd and vllm-mlx get the turns over
-``/v1/messages``; mlx_lm.server over ``/v1/chat/completions`` with the tools
-described in the system message (its SmolLM2 template drops ``tools``), so every
-server sees the same prompt; each server's prompt token count is reported per
-turn to show it. Results: ``bench/results/agent_trace.{json,md}``.
+``/v1/messages``, mlx_lm.server over ``/v1/chat/completions``; all three with the
+tools described in the system message (SmolLM2's template drops ``tools``), so every
+server sees the same prompt; the prompt token counts the servers report are in the
+per-turn tables (vllm-mlx reports none when streaming). Results: ``bench/results/agent_trace.{json,md}``.
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ REPO = Path(__file__).resolve().parent.parent
 SERVERS = ("mlxd", "mlx_lm.server", "vllm-mlx")
 MODELS = ("smollm2", "hybrid")
 # How each server is sent the turns: (API, tools described in the system message).
-APIS: dict[str, tuple[TraceApi, bool]] = {"mlxd": ("messages", False),
+# SmolLM2's chat template (also the hybrid's) cannot render tools: mlx_lm.server and
+# vllm-mlx would drop them silently and mlxd would describe them its own way, so every
+# server gets the same description in the system message.
+APIS: dict[str, tuple[TraceApi, bool]] = {"mlxd": ("messages", True),
                                           "mlx_lm.server": ("chat", True),
-                                          "vllm-mlx": ("messages", False)}
+                                          "vllm-mlx": ("messages", True)}
 HYBRID_CONFIG: dict[str, Any] = {
     "model_type": "qwen3_next", "hidden_size": 768, "num_hidden_layers": 12,
     "intermediate_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2,

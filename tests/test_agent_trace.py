@@ -139,8 +139,8 @@ def _tokenize(srv: RunningServer, messages: list[dict[str, Any]],
     return int(resp.json()["count"])
 
 
-@pytest.mark.parametrize("api,tools_in_system", [("messages", False), ("chat", False),
-                                                 ("chat", True)])
+@pytest.mark.parametrize("api,tools_in_system", [("messages", False), ("messages", True),
+                                                 ("chat", False), ("chat", True)])
 def test_replay_delivers_the_recorded_prompts(tiny_server: RunningServer, api: str,
                                               tools_in_system: bool) -> None:
     trace = build_trace(SMALL)

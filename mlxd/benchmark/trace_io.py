@@ -50,14 +50,15 @@ def openai_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for t in tools]
 
 
-def _text(blocks: Any) -> str:
+def text_of(blocks: Any) -> str:
+    """The text of a string or of a list of content blocks (text blocks only)."""
     if isinstance(blocks, str):
         return blocks
     return "\n".join(b.get("text", "") for b in blocks or [] if b.get("type") == "text")
 
 
 def _assistant(content: Any) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": _text(content)}
+    msg: dict[str, Any] = {"role": "assistant", "content": text_of(content)}
     calls = [{"id": b["id"], "type": "function",
               "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}}
              for b in (content if isinstance(content, list) else []) if b["type"] == "tool_use"]
@@ -70,9 +71,9 @@ def _user(content: Any) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     out: list[dict[str, Any]] = [
-        {"role": "tool", "tool_call_id": b["tool_use_id"], "content": _text(b.get("content"))}
+        {"role": "tool", "tool_call_id": b["tool_use_id"], "content": text_of(b.get("content"))}
         for b in content if b["type"] == "tool_result"]
-    text = _text(content)
+    text = text_of(content)
     if text:
         out.append({"role": "user", "content": text})
     return out
@@ -89,7 +90,7 @@ def tools_text(tools: list[dict[str, Any]]) -> str:
 
 def chat_messages(body: dict[str, Any], tools_in_system: bool = False) -> list[dict[str, Any]]:
     """An Anthropic request's ``system`` + ``messages`` as OpenAI chat messages."""
-    system = _text(body.get("system") or "")
+    system = text_of(body.get("system") or "")
     if tools_in_system and body.get("tools"):
         system = f"{system}\n\n{tools_text(body['tools'])}" if system else \
             tools_text(body["tools"])

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from mlxd.benchmark.loadgen import RequestResult, Target, make_client, stream_request
-from mlxd.benchmark.trace_io import TraceApi, TraceRequest, to_chat
+from mlxd.benchmark.trace_io import TraceApi, TraceRequest, text_of, to_chat, tools_text
 
 ANTHROPIC_VERSION = "2023-06-01"
 
@@ -28,8 +28,9 @@ ANTHROPIC_VERSION = "2023-06-01"
 class TraceTarget:
     """The server: base URL, model name, the API to send turns to, key.
 
-    ``tools_in_system``: for chat, describe the tools in the system message (for
-    servers whose chat template drops ``tools``, so they still see the same prompt).
+    ``tools_in_system``: describe the tools in the system message instead of sending
+    ``tools`` (for servers whose chat template drops ``tools``, so that every server
+    sees the same prompt).
     """
 
     url: str
@@ -63,6 +64,10 @@ def request_for(target: TraceTarget, req: TraceRequest) -> dict[str, Any]:
     if target.api == "messages":
         if req.api != "messages":
             raise ValueError("a chat request cannot be replayed as /v1/messages")
+        if target.tools_in_system and body.get("tools"):
+            system = "\n\n".join(p for p in (text_of(body.get("system") or ""),
+                                              tools_text(body.pop("tools"))) if p)
+            body["system"] = system
         return body
     if req.api == "messages":
         body = to_chat(body, target.tools_in_system)

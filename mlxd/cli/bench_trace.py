@@ -33,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1,4)")
     p.add_argument("--turns", type=int, default=8, help="with --trace agent: turns per session")
     p.add_argument("--tools-in-system", action="store_true",
-                   help="with --api chat: describe the tools in the system message (for "
-                        "servers whose chat template drops 'tools')")
+                   help="describe the tools in the system message instead of sending "
+                        "'tools' (for servers whose chat template drops them)")
     p.add_argument("--write-trace", type=Path, default=None, metavar="FILE",
                    help="write the agent trace (--sessions, --turns, --seed) as JSONL and exit")
 
