@@ -1,0 +1,36 @@
+"""Narrow, reversible fixes to mlx-audio, applied only while a model of their family is loaded.
+
+The same rules and machinery as ``engines/vlm_patches`` (``Patch``,
+``PatchRegistry``: version-checked, self-checked on unknown versions,
+reference counted, undone with the very objects that were there when the
+last model of the family unloads); this registry holds the audio patches.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from mlxd.engines.vlm_patches import Patch, PatchHandle, PatchRegistry
+
+__all__ = ["Patch", "PatchHandle", "PatchRegistry", "registry"]
+
+
+def default_patches() -> list[Patch]:
+    """Every audio patch mlxd ships (imported lazily: each module imports mlx-audio)."""
+    from mlxd.engines.audio_patches import kokoro_conv
+
+    return [kokoro_conv.PATCH]
+
+
+# Patches change class attributes, which are process-wide: the one record of what is
+# applied must be process-wide too (the exception to "no module-level state").
+_REGISTRY: list[PatchRegistry] = []
+_REGISTRY_LOCK = threading.Lock()
+
+
+def registry() -> PatchRegistry:
+    """The process's audio patch registry."""
+    with _REGISTRY_LOCK:
+        if not _REGISTRY:
+            _REGISTRY.append(PatchRegistry(default_patches()))
+        return _REGISTRY[0]
