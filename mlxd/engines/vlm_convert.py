@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any, cast
 
 NEW_PREFIXES = ("model.language_model.", "model.visual.", "model.vision_tower.",
                 "model.multi_modal_projector.")
@@ -59,7 +60,8 @@ def legacy_names(src: Path, dest: Path) -> Path:
                 and item.name != "model.safetensors.index.json":
             shutil.copy2(item, dest / item.name)
     for file in sorted(src.glob("*.safetensors")):
-        weights, meta = mx.load(str(file), return_metadata=True)
+        weights, meta = cast(tuple[dict[str, Any], dict[str, str]],
+                             mx.load(str(file), return_metadata=True))
         renamed = {rename(k, model_type): v for k, v in weights.items()}
         mx.save_safetensors(str(dest / file.name), renamed, metadata=meta or {"format": "pt"})
     index = src / "model.safetensors.index.json"
