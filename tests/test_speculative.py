@@ -69,7 +69,8 @@ def test_prompt_lookup_drafts_what_followed_the_latest_occurrence() -> None:
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 2]
     lookup = PromptLookup(tokens, 2, 3)
     lookup.sync()
-    assert lookup.draft(3, 4) == [7, 8, 2]  # (2, 3): its latest occurrence, not the first
+    assert lookup.draft(3, 3) == [7, 8, 2]  # (2, 3): its latest occurrence, not the first
+    assert lookup.draft(3, 5) == [7, 8, 2, 3, 7]  # running into the present: it repeats
     assert lookup.draft(6, 4) == []  # (2, 6) never seen
     tokens.append(3)
     lookup.sync()
@@ -77,7 +78,7 @@ def test_prompt_lookup_drafts_what_followed_the_latest_occurrence() -> None:
     tokens[:] = [5, 5, 5]
     fresh = PromptLookup(tokens, 2, 3)
     fresh.sync()
-    assert fresh.draft(5, 3) == [5]  # a run of one token drafts itself
+    assert fresh.draft(5, 3) == [5, 5, 5]  # a run of one token drafts itself
 
 
 def test_greedy_identical_in_mixed_batches(tiny_lm: tuple[Any, Any]) -> None:

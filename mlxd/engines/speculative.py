@@ -89,7 +89,13 @@ class PromptLookup:
         for n in range(min(self.n_max, len(toks) + 1), self.n_min - 1, -1):
             pos = self._index.get((*toks[len(toks) - n + 1:], pending))
             if pos is not None:
-                return toks[pos:pos + k]
+                draft = toks[pos:pos + k]
+                if len(draft) < k:  # the match runs into the present: a repeating
+                    ext = [*toks, pending, *draft]  # pattern, continued with its drafts
+                    while len(draft) < k:
+                        draft.append(ext[pos + len(draft)])
+                        ext.append(draft[-1])
+                return draft
         return []
 
 
