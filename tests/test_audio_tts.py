@@ -235,6 +235,27 @@ def test_first_raw_chunk_arrives_before_the_rest_is_synthesised(
     assert rate == 48_000 and samples / rate > 3.0
 
 
+def test_a_failure_after_the_first_sse_event_is_an_error_event(
+        tts: RunningServer, held: HeldAfterFirst) -> None:
+    real = held.speak
+
+    def second_fails(text: str, voice: str, speed: float) -> np.ndarray:
+        if held.done >= 1:
+            raise RuntimeError("onnxruntime failed")  # a fault no real input causes
+        return real(text, voice, speed)
+
+    held.speak = second_fails  # type: ignore[method-assign]
+    held.go.set()
+    body = {**BASE, "input": LONG, "response_format": "pcm", "stream_format": "sse"}
+    with tts.client() as http:
+        r = http.post(SPEECH, json=body)
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
+    assert r.status_code == 200 and [e["type"] for e in events] == [
+        "speech.audio.delta", "error"]
+    assert events[1]["error"]["type"] == "server_error"
+    assert events[1]["error"]["message"] == "speech synthesis failed"  # no internals leak
+
+
 def test_the_voice_is_a_tts_model_in_the_models_list(tts: RunningServer) -> None:
     with tts.client() as http:
         card = http.get(f"/v1/models/{MODEL}").json()

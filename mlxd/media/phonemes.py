@@ -21,7 +21,7 @@ INSTALL_HINT = ("install Debian/Ubuntu's 'espeak-ng' package (sudo apt-get insta
                 "Fedora: dnf install espeak-ng; macOS: brew install espeak-ng)")
 # A sentence ends at . ! ? … (with closing quotes/brackets) followed by space,
 # or at a line break; "Dr. Smith" splits too, which only costs a short pause.
-_SENTENCE_END = re.compile(r"(?<=[.!?…])[\"'”’)\]]*\s+|\n+")
+_SENTENCE_END = re.compile(r"[.!?…][\"'”’)\]]*(?=\s)|\n")
 _CLAUSE_BREAK = re.compile(r"(?<=[,;:])\s+")
 # Control characters: espeak-ng stops reading at NUL, and none of them is speech.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -94,13 +94,23 @@ def split_sentences(text: str, max_chars: int = 300) -> list[str]:
     """Sentences in order, each at most ``max_chars`` (long ones cut at clause breaks,
     then at spaces), so the first audio comes quickly and no model overflows."""
     sentences: list[str] = []
-    for sentence in _SENTENCE_END.split(text):
+    for sentence in _sentences(text):
         sentence = clean_text(sentence)
         if sentence and sentences and _ends_in_title(sentences[-1]):
             sentences[-1] += " " + sentence
         elif sentence:
             sentences.append(sentence)
     return [piece for sentence in sentences for piece in _cut(sentence, max_chars)]
+
+
+def _sentences(text: str) -> list[str]:
+    """Cut after each sentence end (its closing quotes and brackets kept) and line break."""
+    out, start = [], 0
+    for m in _SENTENCE_END.finditer(text):
+        out.append(text[start:m.end()])
+        start = m.end()
+    out.append(text[start:])
+    return out
 
 
 def _ends_in_title(sentence: str) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxd.engines.base import SPEECH, AudioChunk, SpeechRequest, SpeechSynthesizer
-from mlxd.errors import InvalidRequest
+from mlxd.errors import InvalidRequest, MlxdError
 from mlxd.media.audio_encode import MEDIA_TYPES, SpeechEncoder, speech_encoder
 from mlxd.models.catalog import CatalogError, local_path_of
 from mlxd.models.manager import ModelLease
@@ -32,6 +33,7 @@ from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.sse import SSE_HEADERS, sse_data
 
+log = logging.getLogger(__name__)
 router = APIRouter(route_class=StrictJSONRoute)
 ENDPOINT = "/v1/audio/speech"
 VOICES = "/v1/audio/voices"
@@ -90,10 +92,19 @@ async def _audio_body(stream: AsyncGenerator[bytes, None],
 async def _sse_body(stream: AsyncGenerator[bytes, None], lease: ModelLease[Any],
                     characters: int) -> AsyncIterator[str]:
     try:
-        async for data in stream:
-            if data:
-                yield sse_data({"type": "speech.audio.delta",
-                                "audio": base64.b64encode(data).decode("ascii")})
+        try:
+            async for data in stream:
+                if data:
+                    yield sse_data({"type": "speech.audio.delta",
+                                    "audio": base64.b64encode(data).decode("ascii")})
+        except Exception as e:  # the status is sent: say it in the stream, as chat does
+            log.warning("speech stream failed: %s: %s", type(e).__name__, e)
+            status = e.status if isinstance(e, MlxdError) else 500
+            message = e.message if isinstance(e, MlxdError) else "speech synthesis failed"
+            yield sse_data({"type": "error", "error": {
+                "message": message, "type": "invalid_request_error" if status < 500
+                else "server_error", "param": None, "code": "speech_failed"}})
+            return
         # These models read characters, not tokens: input_tokens counts characters.
         yield sse_data({"type": "speech.audio.done",
                         "usage": {"input_tokens": characters, "output_tokens": 0,
