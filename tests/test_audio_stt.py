@@ -207,6 +207,8 @@ def test_english_only_model_refuses_translation_and_other_languages(server: Serv
         r = http.post("/v1/audio/translations", data={"model": MODEL},
                       files={"file": ("a.wav", short)})
         assert r.status_code == 400 and "English-only" in r.json()["error"]["message"]
-        r = http.post("/v1/audio/transcriptions", data={"model": MODEL, "language": "de"},
-                      files={"file": ("a.wav", short)})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "language"
+        for stream in ("false", "true"):  # refused before any event is sent
+            r = http.post("/v1/audio/transcriptions",
+                          data={"model": MODEL, "language": "de", "stream": stream},
+                          files={"file": ("a.wav", short)})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "language"

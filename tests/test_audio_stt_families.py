@@ -3,6 +3,7 @@ Moonshine of the real architecture, served window by window over HTTP."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,3 +78,13 @@ def test_what_only_whisper_gives_is_400(server: RunningServer, recording: np.nda
         r = http.post(path, data={"model": MODEL, **fields},
                       files={"file": ("a.wav", wav(recording[:16_000]), "audio/wav")})
     assert_openai_error(r, 400, param=param)
+
+
+def test_stream_sends_one_delta_per_window_as_it_is_decoded(server: RunningServer,
+                                                            recording: np.ndarray) -> None:
+    whole = _post(server, recording).json()["text"]
+    r = _post(server, recording, stream="true")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["transcript.text.delta"] * 3 + ["transcript.text.done"]
+    assert "".join(e["delta"] for e in events[:-1]) == events[-1]["text"] == whole

@@ -13,7 +13,7 @@ what the OpenAI audio endpoints will need of one.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -190,8 +190,13 @@ class Transcriber(ModelEngine, Protocol):
     """Speech-to-text models. The server decodes the upload and checks its limits
     (``media/audio_decode.py``) before it leases the model."""
 
-    async def transcribe(self, request: TranscriptionRequest) -> Transcription:
-        """The whole transcript; the route renders ``response_format`` from it."""
+    async def transcribe(self, request: TranscriptionRequest,
+                         on_text: Callable[[str], None] | None = None) -> Transcription:
+        """The whole transcript; the route renders ``response_format`` from it.
+
+        ``on_text`` (for ``stream=true``) is called with each piece of text as it is
+        decoded (a segment, a window), from the model's worker thread.
+        """
 
 
 # -- text to speech (/v1/audio/speech, /v1/audio/voices) -------------------------

@@ -18,6 +18,7 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from mlxd.engines.stt_whisper import (
     is_whisper_folder,
     load_whisper,
     run_whisper,
+    segment_text,
 )
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.runtime.worker import ModelWorker
@@ -65,6 +67,8 @@ class STTEngine:
         self._transcribe: Any = None
         self._weights = 0
         self.backend = "unloaded"
+        # The running job's text sink (jobs run one at a time on the worker thread).
+        self._on_text: Callable[[str], None] | None = None
         self._lock = threading.Lock()  # counters: read on the event loop, written on the worker
         self._counts = {"requests": 0, "running": 0, "audio_seconds": 0.0, "busy_seconds": 0.0}
 
@@ -81,7 +85,7 @@ class STTEngine:
         try:
             if family is None:
                 self.model = load_whisper(self.name, self.path, dtype)
-                self._transcribe = bind_transcribe(self.name, self.model)
+                self._transcribe = bind_transcribe(self.name, self.model, self._printed)
             else:
                 self.model = load_mlx_audio(self.name, self.path)
                 self.model.set_dtype(dtype)
@@ -116,8 +120,10 @@ class STTEngine:
             return dict(self._counts)
 
     # -- requests ------------------------------------------------------------------------
-    async def transcribe(self, request: TranscriptionRequest) -> Transcription:
-        """The whole transcript of ``request``, computed on the model's worker thread."""
+    async def transcribe(self, request: TranscriptionRequest,
+                         on_text: Callable[[str], None] | None = None) -> Transcription:
+        """The whole transcript of ``request``, computed on the model's worker thread;
+        ``on_text`` gets each segment's (or window's) text as soon as it is decoded."""
         if request.sample_rate != 16_000:
             raise InvalidRequest(f"Model '{self.name}' reads 16 kHz audio, not "
                                  f"{request.sample_rate} Hz.", param="file")
@@ -129,21 +135,32 @@ class STTEngine:
             self._counts["requests"] += 1
             self._counts["running"] += 1
         try:
-            return await self.worker.run(self._run, request, duration)
+            return await self.worker.run(self._run, request, duration, on_text)
         finally:
             with self._lock:
                 self._counts["running"] -= 1
 
-    def _run(self, request: TranscriptionRequest, duration: float) -> Transcription:
+    def _printed(self, line: str) -> None:
+        text = segment_text(line)
+        if text is not None and self._on_text is not None:
+            self._on_text(text)
+
+    def _run(self, request: TranscriptionRequest, duration: float,
+             on_text: Callable[[str], None] | None) -> Transcription:
         if self.model is None:
             raise InvalidRequest(f"Model '{self.name}' is not loaded.")
         t0 = time.monotonic()
-        if self._transcribe is not None:
-            language = check_language(self.name, self.model, request)
-            result = run_whisper(self._transcribe, self.model, request, language)
-        else:
-            check_request(self.name, request)
-            result = run_mlx_audio(self.model, request)
+        self._on_text = on_text
+        try:
+            if self._transcribe is not None:
+                language = check_language(self.name, self.model, request)
+                result = run_whisper(self._transcribe, self.model, request, language,
+                                     verbose=on_text is not None)
+            else:
+                check_request(self.name, request)
+                result = run_mlx_audio(self.model, request, on_text)
+        finally:
+            self._on_text = None
         with self._lock:
             self._counts["audio_seconds"] += duration
             self._counts["busy_seconds"] += time.monotonic() - t0

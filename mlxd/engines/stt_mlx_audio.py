@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,10 @@ def check_request(name: str, request: TranscriptionRequest) -> None:
                              "model.", param="model")
 
 
-def run_mlx_audio(model: Any, request: TranscriptionRequest) -> dict[str, Any]:
-    """Window by window: one ``generate`` per 30 s, segments offset to the recording."""
+def run_mlx_audio(model: Any, request: TranscriptionRequest,
+                  on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Window by window: one ``generate`` per 30 s, segments offset to the recording;
+    ``on_text`` gets each window's text as soon as it is decoded."""
     rate = request.sample_rate
     step = WINDOW_SECONDS * rate
     options: dict[str, Any] = {"temperature": request.temperature}
@@ -75,6 +78,8 @@ def run_mlx_audio(model: Any, request: TranscriptionRequest) -> dict[str, Any]:
             segments.append({**seg, "start": offset + seg["start"], "end": offset + seg["end"]})
         if text:
             texts.append(text)
+            if on_text is not None:
+                on_text(" " + text)
     return {"text": " ".join(texts), "segments": segments,
             "language": request.language or getattr(model, "language", None)}
 

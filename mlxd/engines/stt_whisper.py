@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -54,8 +55,13 @@ def load_whisper(name: str, path: Path, dtype: Any) -> Any:
     return model
 
 
-def bind_transcribe(name: str, model: Any) -> TranscribeFn:
-    """mlx-whisper's ``transcribe``, reading ``model`` instead of its process-wide cache."""
+def bind_transcribe(name: str, model: Any, printed: Callable[[str], None]) -> TranscribeFn:
+    """mlx-whisper's ``transcribe``, reading ``model`` instead of its process-wide cache.
+
+    With ``verbose=True`` it prints each segment as soon as its window is decoded
+    (``[00:00.000 --> 00:03.360] text``); its ``print`` is ``printed`` instead, so a
+    caller can stream segments without a change to the loop.
+    """
     # The package re-exports the function under the module's name: fetch the module.
     library = importlib.import_module("mlx_whisper.transcribe")
     fn = library.transcribe
@@ -68,7 +74,10 @@ def bind_transcribe(name: str, model: Any) -> TranscribeFn:
         def get_model(_path: str, _dtype: Any) -> Any:
             return model
 
-    env = dict(fn.__globals__, ModelHolder=_Holder)
+    def _print(*args: Any, **_kw: Any) -> None:
+        printed(" ".join(str(a) for a in args))
+
+    env = dict(fn.__globals__, ModelHolder=_Holder, print=_print)
     bound = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
     bound.__kwdefaults__ = dict(fn.__kwdefaults__ or {})
     return bound
@@ -92,13 +101,23 @@ def check_language(name: str, model: Any, request: TranscriptionRequest) -> str 
     return request.language
 
 
+SEGMENT_LINE = re.compile(r"^\[[0-9:.]+ --> [0-9:.]+\] (.*)$", re.DOTALL)
+
+
+def segment_text(line: str) -> str | None:
+    """The text of a segment line mlx-whisper prints with ``verbose=True`` (else None)."""
+    m = SEGMENT_LINE.match(line)
+    return m.group(1) if m else None
+
+
 def run_whisper(transcribe: TranscribeFn, model: Any, request: TranscriptionRequest,
-                language: str | None) -> dict[str, Any]:
-    """One recording through the window-by-window loop (on the model's worker thread)."""
+                language: str | None, verbose: bool = False) -> dict[str, Any]:
+    """One recording through the window-by-window loop (on the model's worker thread);
+    ``verbose``: print (to the bound ``printed``) each segment as it is decoded."""
     fp16 = model.encoder.conv1.weight.dtype == mx.float16
     temperature: float | tuple[float, ...] = (
         FALLBACK_TEMPERATURES if request.temperature == 0 else request.temperature)
-    return transcribe(request.audio, path_or_hf_repo="", verbose=None,
+    return transcribe(request.audio, path_or_hf_repo="", verbose=True if verbose else None,
                       temperature=temperature, initial_prompt=request.prompt or None,
                       word_timestamps=request.word_timestamps, language=language,
                       task=request.task, fp16=fp16)

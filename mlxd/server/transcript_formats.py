@@ -1,5 +1,5 @@
-"""A ``Transcription`` in OpenAI's response formats: json, text, srt, vtt, verbose_json,
-and the ``transcript.text.delta`` / ``transcript.text.done`` events of ``stream=true``."""
+"""A ``Transcription`` in OpenAI's response formats: json, text, srt, vtt, verbose_json
+(``stream=true`` is ``transcript_stream.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from mlxd.engines.base import Transcription, TranscriptSegment
 
 
-def _usage(t: Transcription) -> dict[str, Any]:
+def usage(t: Transcription) -> dict[str, Any]:
+    """OpenAI's duration usage of a transcription."""
     # OpenAI bills whisper-1 by the second, rounded up.
     return {"type": "duration", "seconds": math.ceil(t.duration)}
 
@@ -59,7 +60,7 @@ def verbose_json(t: Transcription, task: str,
             for s in t.segments]
     if "word" in granularities:
         body["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in t.words]
-    body["usage"] = _usage(t)
+    body["usage"] = usage(t)
     return body
 
 
@@ -74,24 +75,4 @@ def render(t: Transcription, response_format: str, task: str,
         return PlainTextResponse(to_vtt(t), media_type="text/vtt")
     if response_format == "verbose_json":
         return JSONResponse(verbose_json(t, task, granularities))
-    return JSONResponse({"text": t.text, "usage": _usage(t)})
-
-
-def stream_events(t: Transcription) -> list[dict[str, Any]]:
-    """One ``transcript.text.delta`` per segment (their concatenation is the text), then
-    ``transcript.text.done`` with the whole text."""
-    deltas: list[str] = []
-    pending = t.text
-    for seg in t.segments:
-        piece = seg.text.strip()
-        at = pending.find(piece) if piece else -1
-        if at < 0:
-            continue
-        deltas.append(pending[:at + len(piece)])
-        pending = pending[at + len(piece):]
-    if pending:
-        deltas.append(pending)
-    events: list[dict[str, Any]] = [{"type": "transcript.text.delta", "delta": d}
-                                    for d in deltas]
-    events.append({"type": "transcript.text.done", "text": t.text, "usage": _usage(t)})
-    return events
+    return JSONResponse({"text": t.text, "usage": usage(t)})

@@ -12,11 +12,10 @@ its engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from mlxd.engines.base import TRANSCRIPTION, TranscriptionRequest
@@ -26,8 +25,8 @@ from mlxd.media.audio_limits import AudioLimits
 from mlxd.protocol.transcription import TranscriptionForm, form_schema
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.multipart import MultipartForm, read_multipart
-from mlxd.server.sse import SSE_HEADERS, sse_data
-from mlxd.server.transcript_formats import render, stream_events
+from mlxd.server.transcript_formats import render
+from mlxd.server.transcript_stream import stream_transcription
 
 router = APIRouter()
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
@@ -90,16 +89,11 @@ async def _transcription_request(request: Request, ctx: ServerContext, task: Tas
 
 async def _serve(request: Request, ctx: ServerContext, task: Task, endpoint: str) -> Response:
     form, job = await _transcription_request(request, ctx, task, endpoint)
-    async with ctx.manager.lease(form.model, TRANSCRIPTION, endpoint) as lease:
-        transcript = await lease.engine.transcribe(job)
     if form.stream:
-        events = stream_events(transcript)
-
-        async def body() -> AsyncIterator[str]:
-            for event in events:
-                yield sse_data(event)
-
-        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+        lease = await ctx.manager.acquire(form.model, TRANSCRIPTION, endpoint)
+        return await stream_transcription(lease, job)
+    async with ctx.manager.lease(form.model, TRANSCRIPTION, endpoint) as held:
+        transcript = await held.engine.transcribe(job)
     return render(transcript, form.response_format, task, form.timestamp_granularities)
 
 

@@ -1,0 +1,99 @@
+"""``stream=true`` transcriptions: ``transcript.text.delta`` events as the model decodes.
+
+The engine calls ``on_text`` from its worker thread with each segment (Whisper) or
+window (other families) as soon as it is decoded; those pieces cross to the event loop
+through an ``asyncio.Queue`` and go out as deltas. The response starts only once the
+first piece has arrived or the job has ended, so a refusal the engine makes at the start
+(a language the model does not speak) is still a plain 4xx. Then
+``transcript.text.done`` carries the text, which is exactly the deltas concatenated. The
+lease is held until the stream ends (a client that goes away ends it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from mlxd.engines.base import Transcriber, Transcription, TranscriptionRequest
+from mlxd.errors import MlxdError
+from mlxd.models.manager import ModelLease
+from mlxd.server.sse import SSE_HEADERS, sse_data
+from mlxd.server.transcript_formats import usage
+
+
+class _Pieces:
+    """Text pieces from the worker thread, and the job that makes them."""
+
+    def __init__(self, engine: Transcriber, job: TranscriptionRequest) -> None:
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[str] = asyncio.Queue()
+
+        def on_text(text: str) -> None:  # on the worker thread
+            loop.call_soon_threadsafe(self.queue.put_nowait, text)
+
+        self.task: asyncio.Future[Transcription] = asyncio.ensure_future(
+            engine.transcribe(job, on_text))
+        # A client that left before the end: the job's outcome is still retrieved.
+        self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def next(self) -> str | None:
+        """The next piece, or None once the job has ended (raising its error, if any)."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        if not self.task.done():
+            getter = asyncio.ensure_future(self.queue.get())
+            waiting: set[asyncio.Future[Any]] = {getter, self.task}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                return getter.result()
+            getter.cancel()
+            if not self.queue.empty():
+                return self.queue.get_nowait()
+        self.task.result()
+        return None
+
+
+def _delta(text: str) -> str:
+    return sse_data({"type": "transcript.text.delta", "delta": text})
+
+
+async def _events(first: str | None, pieces: _Pieces,
+                  lease: ModelLease[Transcriber]) -> AsyncIterator[str]:
+    sent = ""
+    try:
+        piece = first
+        while piece is not None:
+            delta = piece if sent else piece.lstrip()
+            if delta:
+                sent += delta
+                yield _delta(delta)
+            piece = await pieces.next()
+        transcript = pieces.task.result()
+        if transcript.text.startswith(sent) and len(transcript.text) > len(sent):
+            rest = transcript.text[len(sent):]
+            sent += rest
+            yield _delta(rest)
+        yield sse_data({"type": "transcript.text.done", "text": sent,
+                        "usage": usage(transcript)})
+    except MlxdError as e:
+        yield sse_data({"type": "error", "error": {"message": e.message, "type": e.error_type,
+                                                   "param": e.param, "code": e.code}})
+    finally:
+        await lease.release()
+
+
+async def stream_transcription(lease: ModelLease[Transcriber],
+                               job: TranscriptionRequest) -> StreamingResponse:
+    """The SSE response; raises (a plain error response) if the job fails before its
+    first piece. Takes ownership of ``lease``."""
+    try:
+        pieces = _Pieces(lease.engine, job)
+        first = await pieces.next()
+    except BaseException:
+        await lease.release()
+        raise
+    body: Any = _events(first, pieces, lease)
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
