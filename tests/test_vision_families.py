@@ -130,3 +130,27 @@ def test_video_request_reaches_the_model(vlm_server: RunningServer, family: str)
         return [t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs]
 
     assert top(video(seconds=1.0)) != top(video(seconds=2.0, width=96))
+
+
+def test_anthropic_and_responses_images_get_the_same_answer(vlm_server: RunningServer) -> None:
+    """The same image through the three APIs reaches the same engine pipeline."""
+    import anthropic
+    import openai
+
+    url = png((30, 170, 40))
+    data = url.split(",", 1)[1]
+    oai = openai.OpenAI(base_url=vlm_server.url + "/v1", api_key="x")
+    chat = answer(oai, "qwen2_vl", url, 8)
+    claude = anthropic.Anthropic(base_url=vlm_server.url, api_key="x")
+    msg = claude.messages.create(model="qwen2_vl", max_tokens=8, extra_body={"temperature": 0},
+                                 messages=[
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data}},
+            {"type": "text", "text": "What colour is this image?"}]}])
+    resp = oai.responses.create(model="qwen2_vl", max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                     {"type": "input_text",
+                                      "text": "What colour is this image?"}]}])
+    assert msg.content[0].text == chat  # type: ignore[union-attr]
+    assert resp.output_text == chat
