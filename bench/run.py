@@ -177,6 +177,14 @@ def run_audio_tts(args: argparse.Namespace) -> dict[str, Any]:
     return {"exit_code": audio_tts.main([*argv, "--quick"] if args.quick else argv)}
 
 
+def run_speculative(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench/speculative.py``: prompt lookup vs none, in-process (``speculative.md``)."""
+    from bench import speculative
+
+    argv = ["--home", str(args.home), "--out", str(args.out)]
+    return {"exit_code": speculative.main([*argv, "--quick"] if args.quick else argv)}
+
+
 def plot_series(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Throughput levels per contender, the raw BatchGenerator as one more line."""
     series = {n: s.get("throughput", []) for n, s in results["servers"].items()
@@ -207,6 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip the agent trace (bench/agent_trace.py)")
     p.add_argument("--no-vision", action="store_true",
                    help="skip the vision benchmark (bench/vision.py)")
+    p.add_argument("--no-speculative", action="store_true",
+                   help="skip the speculative decoding benchmark (bench/speculative.py)")
     p.add_argument("--no-tts", action="store_true",
                    help="skip the text-to-speech benchmark (bench/audio_tts.py)")
     p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
@@ -249,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         results["agent_trace"] = run_agent_trace(args)
     if not args.no_vision:
         results["vision"] = run_vision(args)
+    if not args.no_speculative:
+        results["speculative"] = run_speculative(args)
     if not args.no_tts:
         results["audio_tts"] = run_audio_tts(args)
     write_json(args.out / f"{tag}.json", results)

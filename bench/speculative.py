@@ -1,0 +1,172 @@
+"""Speculative decoding (prompt lookup) vs none, on SmolLM2-135M float32, in one process.
+
+``python -m bench.speculative [--quick]`` (also run by ``make bench``): the same
+greedy requests go through mlxd's batched decoder (``LMBatchDecoder``) with
+``--speculative off`` and ``prompt-lookup``, alternating, so both see the same
+machine load. Reported per workload: decode tok/s (first token to last, prefill
+excluded) of each, their ratio, whether the tokens are identical, the draft
+acceptance rate and tokens per forward. Also the cost of one forward over
+B x (1 + k) tokens against B x 1, which decides how much verification a step
+can afford. Results: ``bench/results/speculative.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list[str]
+    max_tokens: int
+
+
+def _copy_prompt(source: str) -> str:
+    return ("Repeat the following Python code exactly, without any change or comment:\n\n"
+            f"```python\n{source}```")
+
+
+def workloads(quick: bool) -> list[Workload]:
+    """A copy-heavy answer (a stdlib function to repeat), plain chat, and both in one batch."""
+    import json as json_mod
+    import textwrap
+
+    func = textwrap.dedent(inspect.getsource(json_mod.dumps)).split('"""')
+    code = func[0] + func[-1].lstrip("\n") if len(func) >= 3 else "".join(func)
+    chat = "Write a short story about a robot who learns to paint, in about 150 words."
+    n = 96 if quick else 192
+    return [Workload("copy-heavy answer, 1 stream", [_copy_prompt(code)], n),
+            Workload("plain chat, 1 stream", [chat], n),
+            Workload("copy + chat, 4 streams", [_copy_prompt(code), chat] * 2, n)]
+
+
+def _decode(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int,
+            spec: bool) -> dict[str, Any]:
+    from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
+    from mlxd.engines.sampling import greedy
+    from mlxd.engines.speculative import SpeculativeOptions
+
+    eos = sorted(tok.eos_token_ids)
+    decoder = LMBatchDecoder(model, eos_ids=eos, max_num_seqs=8, prefill_step_size=2048,
+                             speculative=SpeculativeOptions(
+                                 mode="prompt-lookup" if spec else "off"))
+    owner = {decoder.insert(SimpleNamespace(tokens=p), 0, None, greedy, [], set(eos),  # type: ignore[arg-type]
+                            max_tokens): i for i, p in enumerate(prompts)}
+    out: list[list[int]] = [[] for _ in prompts]
+    first = None
+    done, steps = 0, 0
+    while done < len(prompts):
+        _, responses = decoder.next()
+        if responses and first is None:
+            first = time.perf_counter()
+            steps = 0
+        steps += 1
+        for r in responses:
+            out[owner[r.uid]].append(r.token)
+            done += r.finish_reason is not None
+    seconds = time.perf_counter() - (first or time.perf_counter())
+    accepted, rejected = decoder.draft_totals()
+    decoder.close()
+    decoded = sum(len(t) for t in out) - len(prompts)  # the first tokens came with prefill
+    return {"tokens": out, "tok_s": decoded / seconds if seconds > 0 else 0.0,
+            "steps": steps, "accepted": accepted, "rejected": rejected}
+
+
+def forward_cost(model: Any, context: int = 512, reps: int = 3) -> list[dict[str, Any]]:
+    """Milliseconds per forward over B x n new tokens on a ``context``-token batched cache."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    rows = []
+    for batch in (1, 4):
+        caches = [BatchKVCache([0] * batch) for _ in model.layers]
+        model(mx.array([[(i * 7) % 900 + 10 for i in range(context)]] * batch), cache=caches)
+        mx.eval([c.state for c in caches])
+        for n in (1, 3, 5):
+            inputs = mx.array([[11] * n] * batch)
+            times = []
+            for _ in range(reps + 1):
+                t = time.perf_counter()
+                mx.eval(model(inputs, cache=caches))
+                times.append(time.perf_counter() - t)
+                for c in caches:
+                    c.trim(n)
+            rows.append({"batch": batch, "new_tokens": n, "ms": 1000 * min(times[1:])})
+    return rows
+
+
+def run(folder: Path, quick: bool) -> dict[str, Any]:
+    from mlx_lm import load
+
+    model, tok = load(str(folder))
+    results: dict[str, Any] = {"model": folder.name, "workloads": []}
+    for w in workloads(quick):
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}],
+                                           add_generation_prompt=True) for p in w.prompts]
+        off = _decode(model, tok, prompts, w.max_tokens, spec=False)
+        on = _decode(model, tok, prompts, w.max_tokens, spec=True)
+        drafted = on["accepted"] + on["rejected"]
+        row = {"workload": w.name, "streams": len(prompts), "max_tokens": w.max_tokens,
+               "off_tok_s": round(off["tok_s"], 2), "on_tok_s": round(on["tok_s"], 2),
+               "ratio": round(on["tok_s"] / off["tok_s"], 3) if off["tok_s"] else None,
+               "identical": on["tokens"] == off["tokens"],
+               "accepted": on["accepted"], "rejected": on["rejected"],
+               "acceptance": round(on["accepted"] / drafted, 3) if drafted else None,
+               "steps_off": off["steps"], "steps_on": on["steps"]}
+        print(json.dumps(row), flush=True)
+        results["workloads"].append(row)
+    results["forward_cost"] = forward_cost(model)
+    print(json.dumps(results["forward_cost"]), flush=True)
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"## Speculative decoding (prompt lookup), {results['model']}", "",
+             "| workload | streams | off tok/s | on tok/s | ratio | identical | accepted | "
+             "rejected | acceptance | steps off / on |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["workloads"]:
+        lines.append(f"| {r['workload']} | {r['streams']} | {r['off_tok_s']} | {r['on_tok_s']} | "
+                     f"{r['ratio']}x | {r['identical']} | {r['accepted']} | {r['rejected']} | "
+                     f"{r['acceptance']} | {r['steps_off']} / {r['steps_on']} |")
+    lines += ["", "Forward cost (ms, best of 3, 512-token cache):", "",
+              "| batch | new tokens per row | ms |", "|---|---|---|"]
+    lines += [f"| {c['batch']} | {c['new_tokens']} | {c['ms']:.1f} |"
+              for c in results["forward_cost"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.model import smollm2_float32
+    from mlxd.config import default_home
+
+    p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer output tokens")
+    p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
+    p.add_argument("--model", type=Path, default=None, help="an MLX folder (default SmolLM2)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    folder = args.model or smollm2_float32(args.home)
+    results = run(folder, args.quick)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speculative.json").write_text(json.dumps(results, indent=2))
+    report = markdown(results)
+    (args.out / "speculative.md").write_text(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
