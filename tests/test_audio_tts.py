@@ -162,6 +162,18 @@ def test_streaming_response_yields_the_audio_in_chunks(oai: openai.OpenAI) -> No
     assert rate == 22_050 and samples / rate > 1.0
 
 
+def test_two_requests_at_once_both_complete(oai: openai.OpenAI) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def speak(text: str) -> bytes:
+        return oai.audio.speech.create(model=MODEL, voice=VOICE, input=text,
+                                       response_format="pcm").content
+
+    with ThreadPoolExecutor(2) as pool:  # their sentences take turns on the worker
+        both = list(pool.map(speak, ["First one. Second one.", "Third one. Fourth one."]))
+    assert all(len(pcm) / 2 / 24_000 > 1.0 for pcm in both)
+
+
 class HeldAfterFirst:
     """Wraps the live voice's ``speak``: the second sentence waits (on the worker thread)
     until ``release``; it counts what has been synthesised."""
