@@ -25,7 +25,13 @@ import mlx.core as mx
 from mlxd.engines.distributed import GREEDY_GROUP, broadcast_tokens, join_group, load_shard
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
 from mlxd.engines.prefix_cache import PrefixCache, model_identity
-from mlxd.runtime.distributed import HEARTBEAT_S, GroupOptions, recv_frame, send_frame
+from mlxd.runtime.distributed import (
+    HEARTBEAT_S,
+    GroupOptions,
+    low_latency,
+    recv_frame,
+    send_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +182,7 @@ def _connect(options: GroupOptions, rank: int) -> socket.socket:
         except OSError:
             time.sleep(0.25)
             continue
-        sock.settimeout(None)
+        low_latency(sock).settimeout(None)
         send_frame(sock, {"op": "hello", "rank": rank, "pid": os.getpid()})
         return sock
 

@@ -71,6 +71,13 @@ def launch_command(hosts: str, backend: str, group_port: int, argv: list[str]) -
             "--env", f"MLXD_GROUP_LEADER={leader}", "--", "-m", "mlxd", *argv]
 
 
+def low_latency(sock: socket.socket) -> socket.socket:
+    """Send each small frame at once (Nagle's algorithm would hold a step's second
+    frame for the first one's delayed ACK, tens of milliseconds per decode step)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
     """Write one message (raises OSError when the peer is gone)."""
     body = json.dumps(message, separators=(",", ":")).encode()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxd.runtime.distributed import GroupOptions, recv_frame, send_frame
+from mlxd.runtime.distributed import GroupOptions, low_latency, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class GroupLink:
                 sock, _ = listener.accept()
             except TimeoutError:
                 continue
-            sock.settimeout(self.options.timeout)
+            low_latency(sock).settimeout(self.options.timeout)
             hello = recv_frame(sock)
             if not hello or hello.get("op") != "hello":
                 sock.close()
