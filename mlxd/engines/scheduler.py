@@ -327,11 +327,14 @@ class BatchScheduler(SchedulerBase):
 
     def __init__(self, decoder: Decoder, tokenizer: Any, *, max_num_seqs: int, max_queue: int,
                  prefill_step_size: int, prefix_cache: PrefixCache | None,
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], checkpoint_before_last: bool = False) -> None:
         super().__init__(tokenizer, max_num_seqs=max_num_seqs, max_queue=max_queue,
                          prefix_cache=prefix_cache, wake=wake)
         self.decoder = decoder
         self.prefill_step_size = prefill_step_size
+        # Untrimmable (recurrent) states are checkpointed before the prompt's last token:
+        # it often re-tokenizes with the answer that follows it in the next turn's prompt.
+        self.checkpoint_before_last = checkpoint_before_last
         self._decode_step_s: float | None = None  # moving average per decode step
         self._prefill_tps: float | None = None  # moving average prompt tokens/s
 
@@ -439,11 +442,17 @@ class BatchScheduler(SchedulerBase):
         seq.uid = uid
         self.running[uid] = seq
 
+    def _prompt_checkpoint(self, r: Any) -> bool:
+        """Whether the cache of ``r``'s sequence is at its prompt checkpoint now."""
+        if self.checkpoint_before_last:  # the decoder's last segment is the last token
+            return bool(getattr(r, "end_of_segment", False)) and not r.end_of_prompt
+        return bool(r.end_of_prompt)
+
     def _cache_finished_prompts(self, prompt_responses: list[Any]) -> None:
         if self.prefix_cache is None:
             return
         uids = [r.uid for r in prompt_responses
-                if r.end_of_prompt and r.uid in self.running
+                if self._prompt_checkpoint(r) and r.uid in self.running
                 and len(self.running[r.uid].prompt_tokens) >= IN_FLIGHT_CACHE_MIN_TOKENS]
         if not uids:
             return

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from mlxd.engines.base import Tokenized
 from mlxd.engines.device import weights_nbytes
-from mlxd.engines.hybrid_cache import can_batch, prefill_batch_size
+from mlxd.engines.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
 from mlxd.engines.input_processor import InputLimits, InputProcessor, PreparedPrompt
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
 from mlxd.engines.prefix_cache import PrefixCache, model_identity
@@ -176,7 +176,8 @@ class MLXLanguageModel:
             return BatchScheduler(
                 decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
                 max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
-                prefix_cache=self.prefix_cache, wake=self.worker.wake)
+                prefix_cache=self.prefix_cache, wake=self.worker.wake,
+                checkpoint_before_last=not is_trimmable(probe_cache))
         return SerialScheduler(
             LMSerialDecoder(model, prefill_step_size=opts.prefill_step_size), self.tokenizer,
             max_queue=opts.max_queue, wake=self.worker.wake, prefix_cache=self.prefix_cache)
