@@ -86,6 +86,20 @@ def run_raw(folder: Path, sizes: Sizes, env: dict[str, str], log_dir: Path) -> d
         return dict(json.loads(out.read_text()))
 
 
+def run_prefill(folder: Path, sizes: Sizes, env: dict[str, str], log_dir: Path) -> dict[str, Any]:
+    """``python -m bench.prefill``: cold prefill of ``long_tokens``, mlxd vs before (own process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "prefill.json"
+        cmd = [sys.executable, "-m", "bench.prefill", "--folder", str(folder),
+               "--tokens", str(sizes.long_tokens), "--json", str(out)]
+        with (log_dir / "prefill.log").open("wb") as log:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=3600, check=False)
+        if proc.returncode != 0:
+            return {"error": f"bench.prefill exited with {proc.returncode} (see logs/prefill.log)"}
+        return dict(json.loads(out.read_text()))
+
+
 async def _guarded(coro: Any) -> Any:
     """A scenario's result, or ``{"error": ...}`` so one failure does not end the run."""
     try:
@@ -177,6 +191,14 @@ def run_audio_tts(args: argparse.Namespace) -> dict[str, Any]:
     return {"exit_code": audio_tts.main([*argv, "--quick"] if args.quick else argv)}
 
 
+def run_audio_stt(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench/audio.py``: STT x realtime, mlxd over HTTP vs raw mlx-whisper (``audio.md``)."""
+    from bench import audio
+
+    argv = ["--home", str(args.home), "--out", str(args.out), "--blas", args.blas]
+    return {"exit_code": audio.main([*argv, "--quick"] if args.quick else argv)}
+
+
 def run_speculative(args: argparse.Namespace) -> dict[str, Any]:
     """``bench/speculative.py``: prompt lookup vs none, in-process (``speculative.md``)."""
     from bench import speculative
@@ -207,6 +229,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated subset of {', '.join(CONTENDERS)}")
     p.add_argument("--no-raw", action="store_true", help="skip the raw mlx-lm ceiling")
     p.add_argument("--no-soak", action="store_true", help="skip the 64-stream soak")
+    p.add_argument("--no-prefill", action="store_true", help="skip the cold prefill bench")
     p.add_argument("--soak-all", action="store_true", help="soak the peers too (default mlxd)")
     p.add_argument("--blas", choices=["auto", "openblas", "off"], default="auto",
                    help="BLAS for every contender (default: OpenBLAS when installed)")
@@ -219,6 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip the speculative decoding benchmark (bench/speculative.py)")
     p.add_argument("--no-tts", action="store_true",
                    help="skip the text-to-speech benchmark (bench/audio_tts.py)")
+    p.add_argument("--no-stt", action="store_true",
+                   help="skip the speech-to-text benchmark (bench/audio.py)")
     p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--tag", default=None, help="result file names (default latest / quick)")
@@ -253,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         results["raw"] = run_raw(folder, sizes, env, log_dir)
     for name in args.servers.split(","):
         results["servers"][name] = run_server(name, folder, args, sizes, env, log_dir)
+    if not args.no_prefill:
+        print("--- cold prefill", flush=True)
+        results["prefill"] = run_prefill(folder, sizes, env, log_dir)
     if args.embeddings:
         results["embeddings"] = run_embeddings(args.quick)
     if not args.no_agent_trace:
@@ -263,8 +291,14 @@ def main(argv: list[str] | None = None) -> int:
         results["speculative"] = run_speculative(args)
     if not args.no_tts:
         results["audio_tts"] = run_audio_tts(args)
+    if not args.no_stt:
+        results["audio_stt"] = run_audio_stt(args)
     write_json(args.out / f"{tag}.json", results)
     report = markdown(results)
+    if "seconds" in results.get("prefill", {}):
+        from bench.prefill import markdown as prefill_markdown
+
+        report += "\n" + prefill_markdown(results["prefill"])
     (args.out / f"{tag}.md").write_text(report)
     if args.plot:
         plot_levels(args.out / f"{tag}.png", plot_series(results))

@@ -25,6 +25,7 @@ from mlxd.engines.device import weights_nbytes
 from mlxd.engines.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
 from mlxd.engines.input_processor import InputLimits, InputProcessor, PreparedPrompt
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
+from mlxd.engines.prefill import cpu_prefill_chunk, install_cpu_prefill_attention
 from mlxd.engines.prefix_cache import PrefixCache, model_identity
 from mlxd.engines.prompt_limits import max_token_chars, vocab_bound
 from mlxd.engines.scheduler import (
@@ -124,6 +125,7 @@ class MLXLanguageModel:
         except Exception as e:
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        install_cpu_prefill_attention(model)
         self._weights_bytes = weights_nbytes(model)
         # The wrapper forwards attribute reads to the HF tokenizer (model_max_length).
         ctx = context_length_of(config, tokenizer)
@@ -161,7 +163,9 @@ class MLXLanguageModel:
     def _scheduler(self, model: Any, probe_cache: list[Any]) -> SchedulerBase:
         """A batched scheduler over mlx-lm's ``BatchGenerator`` when every cache layer can
         be merged into a batch (and batching is on), else a serial one."""
-        opts = self.options
+        # On CPU, prompts are prefilled in shorter chunks (engines/prefill.py).
+        opts = replace(self.options,
+                       prefill_step_size=cpu_prefill_chunk(self.options.prefill_step_size))
         if opts.prefix_cache_bytes > 0:
             self.prefix_cache = PrefixCache(opts.prefix_cache_bytes,
                                             identity=model_identity(self.path))

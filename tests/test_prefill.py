@@ -1,0 +1,57 @@
+"""CPU prefill path (engines/prefill.py): the base-2 attention equals MLX's, the
+served model uses it and prefills in short chunks, with unchanged greedy tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxd.engines.prefill import CPU_PREFILL_CHUNK, base2_attention, on_cpu
+
+pytestmark = pytest.mark.skipif(not on_cpu(), reason="the CPU prefill path only runs on CPU")
+
+
+def _reference(q: mx.array, k: mx.array, v: mx.array, mask: object) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["causal", "bool", "additive", "none"])
+def test_base2_attention_equals_mlx(kind: str) -> None:
+    mx.random.seed(3)
+    q = mx.random.normal((2, 8, 40, 16))
+    k, v = mx.random.normal((2, 2, 60, 16)), mx.random.normal((2, 2, 60, 16))
+    allowed = mx.random.uniform(shape=(2, 1, 40, 60)) > 0.3
+    mask = {"causal": "causal", "bool": allowed, "additive": mx.where(allowed, 0.0, -1e9),
+            "none": None}[kind]
+    diff = mx.abs(base2_attention(q, k, v, 0.25, mask) - _reference(q, k, v, mask)).max()  # type: ignore[arg-type]
+    assert diff.item() < 1e-5
+
+
+def test_a_row_with_every_key_masked_stays_finite() -> None:
+    q, k, v = mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8))
+    mask = mx.zeros((1, 1, 4, 4), dtype=mx.bool_)
+    assert mx.isfinite(base2_attention(q, k, v, 1.0, mask)).all().item()
+
+
+def test_served_model_prefills_in_short_chunks_with_the_same_tokens(
+        tiny_server: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxd.engines import prefill
+
+    with tiny_server.client() as http:  # type: ignore[attr-defined]
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    engine = tiny_server.ctx.manager.get("tiny").engine  # type: ignore[attr-defined]
+    assert engine.scheduler.prefill_step_size == CPU_PREFILL_CHUNK
+    module = sys.modules[type(engine.model).__module__]
+    assert module.scaled_dot_product_attention is prefill._cpu_sdpa
+    mx.random.seed(4)
+    tokens = mx.random.randint(0, 2000, (1, 300))
+    ours = engine.model(tokens, cache=make_prompt_cache(engine.model))
+    monkeypatch.setattr(prefill, "MIN_QUERY_TOKENS", 1 << 30)  # every call: MLX's kernel
+    expected = engine.model(tokens, cache=make_prompt_cache(engine.model))
+    assert mx.abs(ours - expected).max().item() < 1e-4
+    assert (mx.argmax(ours, -1) == mx.argmax(expected, -1)).all().item()
