@@ -71,8 +71,9 @@ class ServerConfig(BaseSettings):
     prefix_cache_bytes: int | None = None
     max_context: int | None = None
     enable_prefix_cache_persist: bool = True
-    speculative: Literal["prompt-lookup", "off"] = Field("prompt-lookup", description=(
-        "speculative decoding in the batched scheduler: prompt-lookup drafts or off"))
+    speculative: Literal["auto", "prompt-lookup", "off"] = Field("auto", description=(
+        "speculative decoding in the batched scheduler: prompt-lookup drafts, off, or auto "
+        "(prompt lookup on a GPU, off on CPU)"))
     num_draft_tokens: int = Field(4, ge=1, le=16, description=(
         "most tokens one sequence drafts per step (adapted to its acceptance)"))
 

@@ -62,8 +62,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                                             "(default 5%% of the budget, at most "
                                                             "1 GiB; 0 disables)"}),
     ("--max-context", "max_context", {"type": int, "help": "cap the context length"}),
-    ("--speculative", "speculative", {"choices": ["prompt-lookup", "off"],
-                                      "help": "speculative decoding (default prompt-lookup)"}),
+    ("--speculative", "speculative", {"choices": ["auto", "prompt-lookup", "off"],
+                                      "help": "speculative decoding (default auto: prompt "
+                                              "lookup on a GPU, off on CPU)"}),
     ("--num-draft-tokens", "num_draft_tokens", {"type": int,
                                                 "help": "most draft tokens per sequence and "
                                                         "step (default 4)"}),

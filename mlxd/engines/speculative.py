@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
-MODES = ("prompt-lookup", "off")
+MODES = ("auto", "prompt-lookup", "off")
 # Consecutive failed drafts back a sequence off for 2**fails - 1 steps, at most this many.
 MAX_BACKOFF_STEPS = 32
 
@@ -41,7 +41,7 @@ MAX_BACKOFF_STEPS = 32
 class SpeculativeOptions:
     """How the batched scheduler speculates (from ``--speculative`` and friends)."""
 
-    mode: str = "prompt-lookup"
+    mode: str = "auto"  # auto: prompt lookup on a GPU, off on CPU (see ``enabled``)
     num_draft_tokens: int = 4  # most tokens one sequence drafts per step
     max_verify_tokens: int = 32  # cap on batch x (1 + drafts) per forward
     ngram_min: int = 2
@@ -50,7 +50,12 @@ class SpeculativeOptions:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "off" and self.num_draft_tokens > 0
+        if self.mode == "off" or self.num_draft_tokens <= 0:
+            return False
+        # auto: only where a forward over a few tokens costs about one token's (a GPU's
+        # memory-bound decode); on CPU it measured about linear in the tokens per row
+        # (docs/benchmarks.md), so verifying drafts there costs more than it saves.
+        return self.mode != "auto" or mx.default_device().type == mx.DeviceType.gpu
 
 
 class PromptLookup:
