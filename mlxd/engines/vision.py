@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 
@@ -32,6 +32,7 @@ from mlxd.engines.vlm_input import VisionInputProcessor
 from mlxd.engines.vlm_patches import PatchHandle, registry
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.generation.events import TokenLogprob
+from mlxd.jsonfile import read_json_object
 from mlxd.models.memory import FEATURE_CACHE_BYTES
 from mlxd.runtime.worker import ModelWorker
 
@@ -63,11 +64,13 @@ class MLXMultimodalLM(MLXLanguageModel):
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
         if device_name() == "cpu":  # MLX's half-precision CPU kernels are slow
             model.set_dtype(mx.float32)
-        config = cast(dict[str, Any], _config_dict(model.config))
+        # The checkpoint's own config: mlx-vlm's ModelConfig drops fields (gemma3's list of
+        # end-of-turn ids among them).
+        config = {**_config_dict(model.config), **read_json_object(self.path / "config.json")}
         self.model_type = str(config.get("model_type") or "")
         self._patches = registry().activate(self.model_type, self.name, (model, processor))
         hf_tok: Any = processor.tokenizer if hasattr(processor, "tokenizer") else processor
-        eos = _eos_ids(config, hf_tok)
+        eos = _eos_ids(config, hf_tok, self.path)
         self.model, self.processor, self.config = model, processor, config
         self.tokenizer = TokenizerWrapper(hf_tok, eos_token_ids=eos)
         self._weights_bytes = weights_nbytes(model)
@@ -161,10 +164,12 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return out
 
 
-def _eos_ids(config: dict[str, Any], tokenizer: Any) -> list[int]:
-    """End-of-turn ids: the config's, the text config's and the tokenizer's."""
+def _eos_ids(config: dict[str, Any], tokenizer: Any, folder: Path) -> list[int]:
+    """End-of-turn ids: the config's, the text config's, the generation config's and the
+    tokenizer's."""
     ids: set[int] = set()
-    for source in (config, config.get("text_config") or {}):
+    generation = read_json_object(folder / "generation_config.json")
+    for source in (config, config.get("text_config") or {}, generation):
         value = source.get("eos_token_id")
         if isinstance(value, int):
             ids.add(value)
