@@ -52,7 +52,6 @@ class Follower:
         self.caches: dict[int, list[Any]] = {}  # this step's KV states, by rank 0's uid
         self.fetched: tuple[list[Any] | None, int] = (None, 0)
         self._samplers: dict[int, Any] = {GREEDY_GROUP: self._zeros()}
-        self.unloaded = False
 
     def _zeros(self) -> Any:
         group = self.group
@@ -78,7 +77,10 @@ class Follower:
     def serve(self) -> None:
         """Replay rank 0's messages until it closes the connection."""
         while True:
-            message = recv_frame(self.sock)
+            try:
+                message = recv_frame(self.sock)
+            except OSError:  # reset: rank 0 closed with our heartbeats unread
+                return
             if message is None:
                 return
             getattr(self, "op_" + str(message.get("op")))(message)
@@ -87,7 +89,6 @@ class Follower:
     def op_load(self, m: dict[str, Any]) -> None:
         self.path, self.options = m["path"], m
         self.model, _, _, _ = load_shard(m["path"], self.group)
-        self.unloaded = False
 
     def op_decoder(self, m: dict[str, Any]) -> None:
         opts = self.options
@@ -104,7 +105,6 @@ class Follower:
         self.model = self.decoder = self.prefix = None
         self.uids.clear()
         self.caches.clear()
-        self.unloaded = True
 
     # -- decoder calls ----------------------------------------------------
     def _decoder(self) -> LMBatchDecoder:
@@ -188,23 +188,24 @@ def _connect(options: GroupOptions, rank: int) -> socket.socket:
 
 
 def run_follower(options: GroupOptions) -> int:
-    """Serve as a follower rank until rank 0 goes away; the process exit code."""
+    """Serve as a follower rank until rank 0 closes the group; the process exit code.
+
+    A group forms once: after rank 0 unloads the model (or exits) the followers end,
+    and ``mlx.launch`` ends with them. The sharded model is pinned for that reason."""
     group = join_group(options.backend)
     rank = group.rank()
     log.info("rank %d of %d: following %s:%d", rank, group.size(), options.leader, options.port)
-    while True:
-        follower = Follower(group, _connect(options, rank))
-        threading.Thread(target=follower.heartbeat, daemon=True).start()
+    follower = Follower(group, _connect(options, rank))
+    threading.Thread(target=follower.heartbeat, daemon=True).start()
+    try:
+        follower.serve()
+    except Exception as e:
+        log.exception("rank %d: replay failed", rank)
         try:
-            follower.serve()
-        except Exception as e:
-            log.exception("rank %d: replay failed", rank)
-            try:
-                follower.send({"op": "error", "error": f"{type(e).__name__}: {e}"})
-            except OSError:
-                pass
-            return 1
-        finally:
-            follower.sock.close()
-        if not follower.unloaded:
-            return 0  # rank 0 ended: so does the group
+            follower.send({"op": "error", "error": f"{type(e).__name__}: {e}"})
+        except OSError:
+            pass
+        return 1
+    finally:
+        follower.sock.close()
+    return 0  # rank 0 closed the group (shutdown or unload): so ends this rank

@@ -136,6 +136,8 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
                           dtype_bytes=dtype_bytes, audio_seconds=config.max_audio_seconds)
     if kind == ModelKind.TEXT and config.hosts:
         est = per_rank(est, len(parse_hosts(config.hosts)), prefix_cache_bytes(config, budget))
+        # The group forms once per server: never unload a sharded model to reclaim memory.
+        entry = entry.model_copy(update={"pinned": True})
     if path is not None and path.is_dir():
         entry = with_generation_defaults(entry, path)
     if entry.estimated_memory is not None:

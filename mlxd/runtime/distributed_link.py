@@ -165,7 +165,7 @@ class GroupLink:
                     for s in sorted(self.followers.values(), key=lambda s: s.rank)]
 
     def close(self) -> None:
-        """Close every connection (followers that were told to unload reconnect)."""
+        """Close every connection (the followers then end: a group forms once)."""
         with self._changed:
             if self.failed is None:
                 self.failed = "the group was closed"
