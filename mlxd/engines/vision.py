@@ -64,8 +64,8 @@ class MLXMultimodalLM(MLXLanguageModel):
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
         if device_name() == "cpu":  # MLX's half-precision CPU kernels are slow
             model.set_dtype(mx.float32)
-        # The checkpoint's own config: mlx-vlm's ModelConfig drops fields (gemma3's list of
-        # end-of-turn ids among them).
+        # The checkpoint's own config.json over mlx-vlm's ModelConfig: keys mlx-vlm's
+        # dataclasses do not declare are kept.
         config = {**_config_dict(model.config), **read_json_object(self.path / "config.json")}
         self.model_type = str(config.get("model_type") or "")
         self._patches = registry().activate(self.model_type, self.name, (model, processor))
