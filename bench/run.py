@@ -191,6 +191,14 @@ def run_audio_tts(args: argparse.Namespace) -> dict[str, Any]:
     return {"exit_code": audio_tts.main([*argv, "--quick"] if args.quick else argv)}
 
 
+def run_audio_stt(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench/audio.py``: STT x realtime, mlxd over HTTP vs raw mlx-whisper (``audio.md``)."""
+    from bench import audio
+
+    argv = ["--home", str(args.home), "--out", str(args.out), "--blas", args.blas]
+    return {"exit_code": audio.main([*argv, "--quick"] if args.quick else argv)}
+
+
 def run_speculative(args: argparse.Namespace) -> dict[str, Any]:
     """``bench/speculative.py``: prompt lookup vs none, in-process (``speculative.md``)."""
     from bench import speculative
@@ -234,6 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip the speculative decoding benchmark (bench/speculative.py)")
     p.add_argument("--no-tts", action="store_true",
                    help="skip the text-to-speech benchmark (bench/audio_tts.py)")
+    p.add_argument("--no-stt", action="store_true",
+                   help="skip the speech-to-text benchmark (bench/audio.py)")
     p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--tag", default=None, help="result file names (default latest / quick)")
@@ -281,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         results["speculative"] = run_speculative(args)
     if not args.no_tts:
         results["audio_tts"] = run_audio_tts(args)
+    if not args.no_stt:
+        results["audio_stt"] = run_audio_stt(args)
     write_json(args.out / f"{tag}.json", results)
     report = markdown(results)
     if "seconds" in results.get("prefill", {}):
