@@ -46,6 +46,7 @@ def test_the_memory_budget_counts_one_rank_share(tiny_model: Path, test_home: Pa
         cfg = ServerConfig(model=str(tiny_model), home=test_home, no_starter=True,
                            prefix_cache_bytes=1000, **kw)
         reg = build_catalog(cfg).registrations[0]
+        assert reg.entry.pinned == bool(kw)  # a group forms once: never unloaded when idle
         return reg.estimate, reg.reserve
 
     whole, whole_reserve = estimate()
