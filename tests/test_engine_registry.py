@@ -41,13 +41,15 @@ def test_every_kind_has_a_registry_entry_and_its_extra_is_known() -> None:
     assert all(s.extra is None or s.extra in EXTRA_MODULES for s in ENGINES.values())
 
 
-def test_this_install_serves_text_embedding_and_rerank_only() -> None:
-    engines = EngineRegistry()
-    served = engines.servable_kinds()
-    assert {ModelKind.TEXT, ModelKind.EMBEDDING, ModelKind.RERANK, ModelKind.TTS,
-            ModelKind.VISION} <= set(served)
-    stt = engines.refusal(ModelKind.STT)
-    assert stt is not None and "stt models" in stt and "'audio' extra" in stt
+def test_this_install_serves_every_kind() -> None:
+    assert set(EngineRegistry().servable_kinds()) == set(ModelKind)
+
+
+def test_missing_mlx_whisper_names_its_no_deps_install() -> None:
+    engines = EngineRegistry(probe=lambda module: module != "mlx_whisper")
+    refusal = engines.refusal(ModelKind.STT)
+    assert refusal is not None and "missing mlx_whisper" in refusal
+    assert "pip install --no-deps 'mlx-whisper>=0.4.3'" in refusal
 
 
 def test_a_missing_extra_is_named_with_its_install_command() -> None:
