@@ -499,6 +499,7 @@ class SerialScheduler(SchedulerBase):
         if self._current and self._current[0].seq_id in cancelled:
             seq = self._current[0]
             self._current = None
+            self.decoder.final_state()  # let go of its cache (a cancelled turn is not kept)
             self.running.clear()
             self._finish(seq, "cancelled")
         if admitted:
