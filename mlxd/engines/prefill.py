@@ -30,9 +30,9 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 CPU_PREFILL_CHUNK = 256
-# Queries at least this long take the base-2 path (decode and short verify
+# Queries at least this long take the base-2 path (decode and speculative verify
 # steps keep mlx-lm's kernel).
-MIN_QUERY_TOKENS = 16
+MIN_QUERY_TOKENS = 64
 _LOG2E = 1.4426950408889634
 
 
