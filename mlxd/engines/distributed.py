@@ -33,6 +33,7 @@ from mlxd.engines.decoder import (
 )
 from mlxd.engines.input_processor import PreparedPrompt
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
+from mlxd.engines.prefill import cpu_prefill_chunk
 from mlxd.engines.prefix_cache import PrefixCache, model_identity
 from mlxd.engines.sampling import greedy
 from mlxd.engines.scheduler import BatchScheduler, SchedulerBase
@@ -220,7 +221,7 @@ class ShardedLanguageModel(MLXLanguageModel):
             link.on_failure(self._on_group_failure)
             link.send({"op": "load", "path": str(self.path),
                        "max_num_seqs": self.options.max_num_seqs,
-                       "prefill_step_size": self.options.prefill_step_size,
+                       "prefill_step_size": self._prefill_step(),
                        "prefix_cache_bytes": self.options.prefix_cache_bytes})
             super().load()
             link.wait_acks("loaded", LOAD_DEADLINE_S)
@@ -239,14 +240,19 @@ class ShardedLanguageModel(MLXLanguageModel):
             raise ModelLoadError(self.name, "sharded serving needs a batchable KV cache")
         eos = sorted(self.tokenizer.eos_token_ids)
         link.send({"op": "decoder", "eos": eos})
+        step = self._prefill_step()
         decoder = GroupDecoder(LMBatchDecoder(model, eos_ids=eos, max_num_seqs=opts.max_num_seqs,
-                                              prefill_step_size=opts.prefill_step_size),
+                                              prefill_step_size=step),
                                link, self.group)
         self.prefix_cache = MirroredPrefixCache(opts.prefix_cache_bytes, link, decoder,
                                                 identity=model_identity(self.path))
         return BatchScheduler(decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
-                              max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
+                              max_queue=opts.max_queue, prefill_step_size=step,
                               prefix_cache=self.prefix_cache, wake=self.worker.wake)
+
+    def _prefill_step(self) -> int:
+        """Prompt tokens per prefill step, as one process uses (shorter chunks on CPU)."""
+        return cpu_prefill_chunk(self.options.prefill_step_size)
 
     def _on_group_failure(self, reason: str) -> None:
         """A rank died: the model is broken (new requests 503, /health unhealthy) and

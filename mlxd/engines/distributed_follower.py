@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from mlxd.engines.distributed import GREEDY_GROUP, broadcast_tokens, join_group, load_shard
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
+from mlxd.engines.prefill import install_cpu_prefill_attention
 from mlxd.engines.prefix_cache import PrefixCache, model_identity
 from mlxd.runtime.distributed import (
     HEARTBEAT_S,
@@ -89,6 +90,7 @@ class Follower:
     def op_load(self, m: dict[str, Any]) -> None:
         self.path, self.options = m["path"], m
         self.model, _, _, _ = load_shard(m["path"], self.group)
+        install_cpu_prefill_attention(self.model)  # as rank 0's load does: same numerics
 
     def op_decoder(self, m: dict[str, Any]) -> None:
         opts = self.options
