@@ -82,3 +82,20 @@ def test_unknown_version_with_a_failing_self_check_refuses_the_model() -> None:
                                    self_check=lambda m, p: True)], version=lambda d: "9.9")
     passing.activate("fam", "m", (None, None)).undo()  # warns, applies, undoes
     assert Owner.__dict__["attr"] is original
+
+
+@pytest.mark.parametrize(("family", "key"), [("gemma3", "image_seq_length"),
+                                             ("smolvlm", "image_seq_len")])
+def test_a_processor_image_count_unlike_the_models_is_refused_at_load(
+        tiny_vlms: dict[str, Path], tmp_path: Path, family: str, key: str) -> None:  # noqa: F811
+    import json
+    import shutil
+
+    from mlxd.errors import ModelLoadError
+
+    folder = shutil.copytree(tiny_vlms[family], tmp_path / family)
+    config = json.loads((folder / "processor_config.json").read_text())
+    config[key] = 9  # the model takes 4
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"{key}=9, but the model takes 4"):
+        load_engine(folder)

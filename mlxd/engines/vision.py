@@ -68,6 +68,9 @@ class MLXMultimodalLM(MLXLanguageModel):
         # dataclasses do not declare are kept.
         config = {**_config_dict(model.config), **read_json_object(self.path / "config.json")}
         self.model_type = str(config.get("model_type") or "")
+        mismatch = image_seq_mismatch(config, processor)
+        if mismatch:
+            raise ModelLoadError(self.name, mismatch)
         self._patches = registry().activate(self.model_type, self.name, (model, processor))
         hf_tok: Any = processor.tokenizer if hasattr(processor, "tokenizer") else processor
         eos = _eos_ids(config, hf_tok, self.path)
@@ -151,6 +154,31 @@ class MLXMultimodalLM(MLXLanguageModel):
         raise InvalidRequest(f"Model '{self.name}' is a vision-language model: echo with "
                              "logprobs (prompt log-probabilities) is not supported.",
                              param="echo")
+
+
+def image_seq_mismatch(config: dict[str, Any], processor: Any) -> str | None:
+    """Why the processor's image-token count disagrees with the model's, if it does.
+
+    gemma3 and smolvlm/idefics3 processors expand each image to the count in
+    ``processor_config.json``; a different count than the model's makes every image
+    request fail (or misplace features), so the model is refused at load, naming the fix.
+    """
+    model_type = config.get("model_type")
+    if model_type == "gemma3":
+        key, want = "image_seq_length", config.get("mm_tokens_per_image")
+    elif model_type in ("smolvlm", "idefics3"):
+        vision = config.get("vision_config") or {}
+        size, patch = vision.get("image_size"), vision.get("patch_size")
+        scale = int(config.get("scale_factor") or 1)
+        key = "image_seq_len"
+        want = (int(size) // int(patch)) ** 2 // scale ** 2 if size and patch else None
+    else:
+        return None
+    have = getattr(processor, key, None)
+    if want is None or have is None or int(have) == int(want):
+        return None
+    return (f"its processor_config.json has {key}={have}, but the model takes {want} "
+            f"tokens per image: set {key} to {want}.")
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
