@@ -59,7 +59,8 @@ _DESCRIPTIONS = {
          "prompt over the context...)",
     401: "Missing or invalid API key", 403: "This admin route needs the admin API key",
     404: "No such model or object", 409: "The model is in use or already registered",
-    413: "Request body over --max-body-bytes",
+    413: "Request body over --max-body-bytes (an audio upload: over "
+         "--max-audio-upload-bytes)",
     500: "The model failed to load or generation failed inside the engine",
     503: "No capacity now (queue full, memory budget held, shutting down); see Retry-After",
     507: "The model can never fit in the memory budget",
