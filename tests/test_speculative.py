@@ -194,3 +194,26 @@ def test_sampling_keeps_the_distribution(tiny_lm: tuple[Any, Any]) -> None:
     pairs = _two_sample_chi2(Counter(tuple(s[1:3]) for s in plain),
                              Counter(tuple(s[1:3]) for s in fast))
     assert pairs[0] < _chi2_critical(pairs[1]), pairs
+
+
+def test_smollm2_copies_with_identical_greedy_tokens(smollm2: Path) -> None:
+    """Real weights, two answers that copy their prompts (code, a list) in one batch: the
+    same greedy tokens with and without speculation, much of them accepted from drafts.
+    A near-tie (top-2 logprob margin < 1e-3) could legitimately flip, so margins are
+    checked first: these prompts have none (smallest margin ~0.12)."""
+    from mlx_lm import load
+
+    model, tok = load(str(smollm2))
+    prompts = ["Repeat the following Python code exactly:\n\n```python\ndef add(a, b):\n"
+               "    return a + b\n\n\ndef subtract(a, b):\n    return a - b\n```",
+               "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape, "
+               "honeydew, kiwi, lemon, mango."]
+    jobs = [{"tokens": tok.apply_chat_template([{"role": "user", "content": p}],
+                                               add_generation_prompt=True), "max": 32}
+            for p in prompts]
+    plain, _, margins = decode((model, tok), jobs, spec=False)
+    fast, (accepted, rejected), _ = decode((model, tok), jobs, spec=True)
+    assert min(min(m) for m in margins) > 1e-3
+    assert fast == plain, [tok.decode(t) for t in fast + plain]
+    assert "def subtract(a, b)" in tok.decode(plain[0])
+    assert accepted >= 15, (accepted, rejected)
