@@ -164,14 +164,13 @@ def test_vtt_has_its_header_and_cues(client: Any, short: bytes) -> None:
     assert word_error_rate(SHORT, " ".join(c[3] for c in cues if c)) <= MAX_WER
 
 
-def test_text_format_and_the_sdk_stream(client: Any, short: bytes) -> None:
-    text = client.audio.transcriptions.create(model=MODEL, file=("a.wav", short),
-                                              response_format="text")
-    assert word_error_rate(SHORT, text) <= MAX_WER
+def test_sdk_stream_deltas_concatenate_to_the_final_text(client: Any, short: bytes) -> None:
     events = list(client.audio.transcriptions.create(model=MODEL, file=("a.wav", short),
                                                      stream=True))
-    assert events[-1].type == "transcript.text.done"
+    assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
+    assert events[-1].type == "transcript.text.done" and len(events) >= 2
     assert "".join(e.delta for e in events[:-1]) == events[-1].text
+    assert word_error_rate(SHORT, events[-1].text) <= MAX_WER
 
 
 def test_silence_is_an_empty_transcript(client: Any) -> None:
@@ -182,23 +181,27 @@ def test_silence_is_an_empty_transcript(client: Any) -> None:
 
 
 def test_two_uploads_at_once_both_complete(client: Any, short: bytes) -> None:
-    results: list[str] = []
+    """Both are served (one after the other on the model's worker); one asks for the
+    ``text`` format, which the SDK returns as a plain string."""
+    results: dict[str, str] = {}
     errors: list[BaseException] = []
 
-    def one() -> None:
+    def one(response_format: str) -> None:
         try:
-            results.append(client.audio.transcriptions.create(
-                model=MODEL, file=("a.wav", short)).text)
+            out = client.audio.transcriptions.create(model=MODEL, file=("a.wav", short),
+                                                     response_format=response_format)
+            results[response_format] = out if isinstance(out, str) else out.text
         except BaseException as e:  # reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=one) for _ in range(2)]
+    threads = [threading.Thread(target=one, args=(f,)) for f in ("json", "text")]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors and len(results) == 2
-    assert results[0] == results[1] and word_error_rate(SHORT, results[0]) <= MAX_WER
+    assert not errors and set(results) == {"json", "text"}
+    assert results["text"] == results["json"] + "\n"
+    assert word_error_rate(SHORT, results["json"]) <= MAX_WER
 
 
 def test_english_only_model_refuses_translation_and_other_languages(server: ServeProcess,
