@@ -2,8 +2,9 @@
 
 ``python -m bench.speculative [--quick]`` (also run by ``make bench``): the same
 greedy requests go through mlxd's batched decoder (``LMBatchDecoder``) with
-``--speculative off`` and ``prompt-lookup``, alternating, so both see the same
-machine load. Reported per workload: decode tok/s (first token to last, prefill
+``--speculative off`` and then ``prompt-lookup`` (forced on, whatever the device),
+one right after the other, so both see about the same machine load. In-process:
+no OpenBLAS preload unless the caller set ``LD_PRELOAD``. Reported per workload: decode tok/s (first token to last, prefill
 excluded) of each, their ratio, whether the tokens are identical, the draft
 acceptance rate and tokens per forward. Also the cost of one forward over
 B x (1 + k) tokens against B x 1, which decides how much verification a step
