@@ -41,8 +41,19 @@ from mlxd.models.starter import STARTER_STT, STARTER_TTS
 REPO = Path(__file__).resolve().parent.parent
 STT_MODEL = STARTER_STT.name
 VOICE_MODEL = STARTER_TTS.name
+# Sentences that do not repeat: a window that repeats its text trips Whisper's
+# compression-ratio check and sends it into random temperature fallbacks.
 TEXT = ("The weather is nice today. Please send the report by Friday. My favourite colour "
-        "is blue. We will meet at the train station. Thank you for your help.")
+        "is blue. We will meet at the train station. Thank you for your help. The library "
+        "opens at nine in the morning. Our team finished the new bridge design last week. "
+        "She plays the violin in a small orchestra. The museum has a large collection of old "
+        "maps. Remember to water the garden before you leave. The train to the coast was "
+        "late again. He bought fresh bread and cheese at the market. The children built a "
+        "castle out of sand. Coffee tastes better when the beans are freshly ground. The "
+        "storm knocked down two trees near the school. We need more chairs for the meeting "
+        "room. The river froze for the first time in ten years. Please turn off the lights "
+        "when you go. The old clock in the hall still keeps good time. Our neighbours are "
+        "moving to a farm in the north.")
 
 
 @dataclass(frozen=True)
