@@ -55,3 +55,48 @@ def test_served_model_prefills_in_short_chunks_with_the_same_tokens(
     expected = engine.model(tokens, cache=make_prompt_cache(engine.model))
     assert mx.abs(ours - expected).max().item() < 1e-4
     assert (mx.argmax(ours, -1) == mx.argmax(expected, -1)).all().item()
+
+
+def test_the_cpu_path_is_reference_counted_and_undone_on_the_last_unload(
+        tiny_model: object) -> None:
+    """Like every upstream patch: active only while a model uses it, the very upstream
+    function restored after the last unload."""
+    import sys
+
+    from mlx_lm.models import base
+    from mlx_lm.utils import load
+
+    from mlxd.engines import prefill
+
+    model, _ = load(str(tiny_model))[:2]
+    module = sys.modules[type(model).__module__]
+    upstream = base.scaled_dot_product_attention
+    was_installed = module.scaled_dot_product_attention is prefill._cpu_sdpa
+    first = prefill.install_cpu_prefill_attention(model)
+    second = prefill.install_cpu_prefill_attention(model)
+    assert first is not None and second is not None
+    assert module.scaled_dot_product_attention is prefill._cpu_sdpa
+    first.undo()
+    first.undo()  # idempotent: one model's share is released once
+    assert module.scaled_dot_product_attention is prefill._cpu_sdpa
+    second.undo()
+    if not was_installed:  # no other loaded model in this process holds it
+        assert module.scaled_dot_product_attention is upstream
+
+
+def test_an_unchecked_mlx_lm_whose_attention_differs_keeps_its_own(
+        tiny_model: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_lm.utils import load
+
+    from mlxd.engines import prefill
+
+    model, _ = load(str(tiny_model))[:2]
+    monkeypatch.setattr(prefill, "CHECKED_MLX_LM", ())
+    monkeypatch.setattr(prefill, "base2_attention",
+                        lambda q, k, v, scale, mask: prefill.mx.zeros_like(q))
+    assert prefill.install_cpu_prefill_attention(model) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(prefill, "CHECKED_MLX_LM", ())
+    handle = prefill.install_cpu_prefill_attention(model)  # unchecked, self-check passes
+    assert handle is not None
+    handle.undo()

@@ -90,7 +90,8 @@ class Follower:
     def op_load(self, m: dict[str, Any]) -> None:
         self.path, self.options = m["path"], m
         self.model, _, _, _ = load_shard(m["path"], self.group)
-        install_cpu_prefill_attention(self.model)  # as rank 0's load does: same numerics
+        # As rank 0's load does (same numerics); held for the life of this process.
+        install_cpu_prefill_attention(self.model)
 
     def op_decoder(self, m: dict[str, Any]) -> None:
         opts = self.options

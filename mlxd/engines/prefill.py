@@ -19,17 +19,30 @@ of it masked out by causality. Two fixes are ours:
 mlx-lm's model modules call ``scaled_dot_product_attention``, a name each
 imports from ``mlx_lm.models.base``; the CPU path is installed by rebinding
 that name in the loaded model's module, to a pure function with no state.
+Like every patch to upstream code (DESIGN.md), it is checked against the
+installed mlx-lm (an unchecked version must pass a numerical self-check, or
+the model keeps mlx-lm's attention: this is a speed path, never a reason to
+refuse a model), reference counted per module while models use it, and
+undone when the last of them unloads (``PrefillAttention.undo``).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
+from importlib import metadata
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import base
 
+log = logging.getLogger(__name__)
+
 CPU_PREFILL_CHUNK = 256
+# mlx-lm versions whose ``scaled_dot_product_attention`` signature and semantics were
+# checked against ``base2_attention`` (tests/test_prefill.py).
+CHECKED_MLX_LM = ("0.32.2",)
 # Queries at least this long take the base-2 path (decode and speculative verify
 # steps keep mlx-lm's kernel).
 MIN_QUERY_TOKENS = 64
@@ -87,22 +100,89 @@ def _cpu_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
     return base2_attention(queries, keys, values, scale, mask)
 
 
-def install_cpu_prefill_attention(model: Any) -> bool:
-    """Route ``model``'s attention through the CPU prefill path; True when installed.
-
-    Only modules that call mlx-lm's own function are touched (idempotent).
-    """
-    if not on_cpu():
+def _self_check() -> bool:
+    """Whether the base-2 path equals the installed mlx-lm's attention (GQA, causal)."""
+    key = mx.random.key(0)
+    q = mx.random.normal((1, 4, 80, 16), key=key)
+    k = mx.random.normal((1, 2, 80, 16), key=mx.random.split(key)[0])
+    v = mx.random.normal((1, 2, 80, 16), key=mx.random.split(key)[1])
+    try:
+        expected = base.scaled_dot_product_attention(q, k, v, cache=None, scale=0.25,
+                                                     mask="causal")
+    except Exception:  # a changed signature: keep mlx-lm's path
         return False
+    return bool(mx.abs(base2_attention(q, k, v, 0.25, "causal") - expected).max().item() < 1e-4)
+
+
+def _upstream_ok() -> bool:
+    try:
+        version = metadata.version("mlx-lm")
+    except metadata.PackageNotFoundError:
+        version = None
+    if version in CHECKED_MLX_LM:
+        return True
+    if _self_check():
+        log.warning("CPU prefill attention was checked against mlx-lm %s, not %s; its "
+                    "self-check passed, so it is used", CHECKED_MLX_LM, version)
+        return True
+    log.warning("CPU prefill attention does not match mlx-lm %s's attention; keeping "
+                "mlx-lm's (prefill stays slower on CPU)", version)
+    return False
+
+
+class _Installs:
+    """Which model modules use the CPU path, and for how many loaded models.
+
+    The rebinding is process-wide (a module attribute), so this record is too: the
+    one exception to "no module-level state", as for the vision patches.
+    """
+
+    lock = threading.Lock()
+    counts: dict[str, int] = {}
+
+
+class PrefillAttention:
+    """One loaded model's share of the CPU prefill path; ``undo`` releases it (idempotent)."""
+
+    def __init__(self, modules: list[str]) -> None:
+        self.modules = modules
+        self._done = False
+
+    def undo(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        with _Installs.lock:
+            for name in self.modules:
+                left = _Installs.counts.get(name, 0) - 1
+                if left > 0:
+                    _Installs.counts[name] = left
+                    continue
+                _Installs.counts.pop(name, None)
+                module: Any = sys.modules.get(name)
+                if getattr(module, "scaled_dot_product_attention", None) is _cpu_sdpa:
+                    module.scaled_dot_product_attention = base.scaled_dot_product_attention
+
+
+def install_cpu_prefill_attention(model: Any) -> PrefillAttention | None:
+    """Route ``model``'s attention through the CPU prefill path until the handle's ``undo``.
+
+    None when not installed (not on CPU, or the installed mlx-lm fails the check).
+    Only modules that call mlx-lm's own function are touched.
+    """
+    if not on_cpu() or not _upstream_ok():
+        return None
     # Attention layers may live in another architecture's module (qwen3_5 reuses qwen3_next's).
-    names = {type(m).__module__ for m in model.modules()}
-    installed = False
-    for name in names:
-        module: Any = sys.modules.get(name)
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = _cpu_sdpa
-            installed = True
-        elif current is _cpu_sdpa:
-            installed = True
-    return installed
+    names = sorted({type(m).__module__ for m in model.modules()})
+    held: list[str] = []
+    with _Installs.lock:
+        for name in names:
+            module: Any = sys.modules.get(name)
+            current = getattr(module, "scaled_dot_product_attention", None)
+            if current is base.scaled_dot_product_attention:
+                module.scaled_dot_product_attention = _cpu_sdpa
+            elif current is not _cpu_sdpa:
+                continue
+            _Installs.counts[name] = _Installs.counts.get(name, 0) + 1
+            held.append(name)
+    return PrefillAttention(held) if held else None

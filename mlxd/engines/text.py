@@ -25,7 +25,11 @@ from mlxd.engines.device import weights_nbytes
 from mlxd.engines.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
 from mlxd.engines.input_processor import InputLimits, InputProcessor, PreparedPrompt
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
-from mlxd.engines.prefill import cpu_prefill_chunk, install_cpu_prefill_attention
+from mlxd.engines.prefill import (
+    PrefillAttention,
+    cpu_prefill_chunk,
+    install_cpu_prefill_attention,
+)
 from mlxd.engines.prefix_cache import PrefixCache, model_identity
 from mlxd.engines.prompt_limits import max_token_chars, vocab_bound
 from mlxd.engines.scheduler import (
@@ -113,6 +117,7 @@ class MLXLanguageModel:
         self.tool_format: ToolCallFormat | None = None
         self.inputs: InputProcessor | None = None  # built at each load
         self._weights_bytes = 0
+        self._prefill_attention: PrefillAttention | None = None  # undone at close
         self.vocab_size = 0  # token ids a client may send: [0, vocab_size)
         self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
 
@@ -125,7 +130,7 @@ class MLXLanguageModel:
         except Exception as e:
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        install_cpu_prefill_attention(model)
+        self._prefill_attention = install_cpu_prefill_attention(model)
         self._weights_bytes = weights_nbytes(model)
         # The wrapper forwards attribute reads to the HF tokenizer (model_max_length).
         ctx = context_length_of(config, tokenizer)
@@ -209,6 +214,9 @@ class MLXLanguageModel:
         self.prefix_cache = None
         self.inputs = None
         self.model = None
+        if self._prefill_attention is not None:
+            self._prefill_attention.undo()
+            self._prefill_attention = None
         gc.collect()
         mx.clear_cache()
 
