@@ -100,10 +100,7 @@ def write_gguf(folder: Path, out: Path, arch: str) -> Path:
 def build_random(out: Path, arch: str, tokenizer_from: Path, *, hidden: int = 64,
                  layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
     """A random qwen2 / qwen3 MLX folder with the tiny tokenizer of ``tokenizer_from``."""
-    import importlib
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    from tests.helpers.tiny_models import save_random_mlx_lm
 
     out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -116,11 +113,4 @@ def build_random(out: Path, arch: str, tokenizer_from: Path, *, hidden: int = 64
               "num_key_value_heads": kv_heads, "intermediate_size": hidden * 3,
               "rope_theta": 10000.0, "tie_word_embeddings": True, "head_dim": hidden // heads,
               "hidden_act": "silu", "torch_dtype": "float32"}
-    module = importlib.import_module(f"mlx_lm.models.{arch}")
-    mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+    return save_random_mlx_lm(out, config, seed)

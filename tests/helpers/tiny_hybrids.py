@@ -6,7 +6,6 @@ The tokenizer is copied from another tiny model folder (``tiny_models.build_llam
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -48,8 +47,7 @@ ARCHITECTURES = ("qwen3_5", "qwen3_next", "nemotron_h")
 
 def build_hybrid(out: Path, arch: str, tokenizer_from: Path, seed: int = 0) -> Path:
     """Build a random ``arch`` model folder with ``tokenizer_from``'s tokenizer; returns ``out``."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    from tests.helpers.tiny_models import save_random_mlx_lm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -58,12 +56,4 @@ def build_hybrid(out: Path, arch: str, tokenizer_from: Path, seed: int = 0) -> P
         (out / name).write_bytes((Path(tokenizer_from) / name).read_bytes())
     vocab = json.loads((Path(tokenizer_from) / "config.json").read_text())["vocab_size"]
     eos = json.loads((Path(tokenizer_from) / "generation_config.json").read_text())["eos_token_id"]
-    config = {**_configs(vocab)[arch], "eos_token_id": eos}
-    module = importlib.import_module(f"mlx_lm.models.{arch}")
-    mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+    return save_random_mlx_lm(out, {**_configs(vocab)[arch], "eos_token_id": eos}, seed)

@@ -117,3 +117,21 @@ def build_llama(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4,
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}))
     return out
+
+
+def save_random_mlx_lm(out: Path, config: dict, seed: int = 0) -> Path:
+    """An mlx-lm model of ``config``'s architecture with seeded random weights, saved
+    (weights + config.json) into ``out`` like any MLX folder."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
