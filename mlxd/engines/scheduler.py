@@ -379,6 +379,7 @@ class BatchScheduler(SchedulerBase):
         self.steps += 1
         self.batch_sizes[min(len(self.running), self.max_num_seqs)] += 1
         self._cache_finished_prompts(prompt_responses)
+        self._decoder_cached_tokens(prompt_responses)
         for r in responses:
             found = self.running.get(r.uid)
             if found is None:
@@ -441,6 +442,15 @@ class BatchScheduler(SchedulerBase):
             seq.stop_token_ids, seq.max_tokens)
         seq.uid = uid
         self.running[uid] = seq
+
+    def _decoder_cached_tokens(self, prompt_responses: list[Any]) -> None:
+        """Usage's cached tokens from a decoder keeping its own prefix cache (mlx-vlm's),
+        known only once it admits the prompt."""
+        for r in prompt_responses:
+            n = int(getattr(r, "cached_tokens", 0) or 0)
+            seq = self.running.get(r.uid)
+            if n and seq is not None:
+                seq.pipeline.set_cached_tokens(n)
 
     def _prompt_checkpoint(self, r: Any) -> bool:
         """Whether the cache of ``r``'s sequence is at its prompt checkpoint now."""

@@ -14,6 +14,7 @@ run the vision tower again.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -105,17 +106,32 @@ class MLXMultimodalLM(MLXLanguageModel):
                                     processor=self.processor, prepare_kwargs=prepare)
 
     def _scheduler(self, model: Any, probe_cache: list[Any]) -> SchedulerBase:
-        """Always batched: mlx-vlm's generator batches every family it loads. No prefix
-        cache yet: the generator takes no KV state on insert."""
+        """Always batched: mlx-vlm's generator batches every family it loads. Prefix
+        reuse is mlx-vlm's own prefix cache inside the decoder (its blocks salted with
+        our namespace), so the scheduler keeps none."""
         opts = self.options
         self.prefix_cache = None
         decoder = VLMBatchDecoder(model, self.processor, self._embed,
                                   eos_ids=list(self.tokenizer.eos_token_ids),
                                   max_num_seqs=opts.max_num_seqs,
-                                  prefill_step_size=opts.prefill_step_size)
+                                  prefill_step_size=opts.prefill_step_size,
+                                  namespace=self._namespace,
+                                  prefix_cache_bytes=self._prefix_cache_bytes())
         return BatchScheduler(decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
                               max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
                               prefix_cache=None, wake=self.worker.wake)
+
+    def _prefix_cache_bytes(self) -> int:
+        """The prefix cache's byte bound (0: off), as for text models."""
+        return max(0, int(self.options.prefix_cache_bytes))
+
+    def _namespace(self, prompt: PreparedPrompt) -> int:
+        """The prefix-cache salt of one prompt: model identity, media hashes and cache
+        salt, so KV blocks are never shared between different images or tenants."""
+        parts = [self.name, str(self.path), self.model_type, *prompt.media_hashes,
+                 str(prompt.cache_salt or "")]
+        digest = hashlib.sha256("\x00".join(parts).encode()).digest()
+        return int.from_bytes(digest[:8], "big") >> 1
 
     def _embed(self, prompt: PreparedPrompt) -> dict[str, Any]:
         """One request's input embeddings (worker thread), through the feature cache."""

@@ -13,6 +13,13 @@ records the log-probabilities the scheduler reports, and then samples with
 the request's own sampler, leaving only the chosen token possible; the
 shared greedy pick then returns exactly that token. Request-specific stop
 ids end the sequence here.
+
+Prefix reuse (turn 2 about the same image) is mlx-vlm's own automatic prefix
+cache (``mlx_vlm.apc``): the generator keeps the KV blocks of prefilled prompts
+and resumes a prompt from the longest stored prefix. Its hash chain is salted
+per request with ``namespace(prompt)`` (model identity, media hashes and cache
+salt), so blocks are only shared between prompts with the same images; its
+memory is bounded by ``prefix_cache_bytes`` and counted in ``cache_nbytes``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from mlxd.engines.input_processor import PreparedPrompt
 from mlxd.engines.sampling import greedy
 
 EmbedFn = Callable[[PreparedPrompt], dict[str, Any]]
+NamespaceFn = Callable[[PreparedPrompt], int]
 _NBYTES_TRIES = 3
 
 
@@ -44,6 +52,7 @@ _NBYTES_TRIES = 3
 class Progress:
     uid: int
     end_of_prompt: bool = True
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache
 
 
 @dataclass
@@ -93,11 +102,29 @@ class RowSampler:
         return mx.where(hot, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, logits.dtype))
 
 
+def _generator_class() -> type:
+    """mlx-vlm's ``BatchGenerator``, reusing cached prefixes that hold images.
+
+    mlx-vlm refuses a cached prefix with image tokens in it, because its default block
+    hash does not tell two images apart (their placeholder tokens are the same). Every
+    prompt here carries a salt with its media hashes (``_apc_semantic_hash``), so blocks
+    are shared only between prompts with the same images, and such a prefix is reusable.
+    """
+    from mlx_vlm.generate import BatchGenerator
+
+    class MediaKeyedGenerator(BatchGenerator):  # type: ignore[misc]
+        def _apc_prefix_has_media_tokens(self, ids_list: list[int], prefix_len: int) -> bool:
+            return False
+
+    return MediaKeyedGenerator
+
+
 class VLMBatchDecoder:
     """Continuous batching over ``mlx_vlm.generate.BatchGenerator``."""
 
     def __init__(self, model: Any, processor: Any, embed: EmbedFn, *, eos_ids: list[int],
-                 max_num_seqs: int, prefill_step_size: int) -> None:
+                 max_num_seqs: int, prefill_step_size: int,
+                 namespace: NamespaceFn | None = None, prefix_cache_bytes: int = 0) -> None:
         self.model = model
         self.processor = processor
         self._embed = embed
@@ -106,23 +133,37 @@ class VLMBatchDecoder:
         self._prefill_step_size = prefill_step_size
         self._rows: dict[int, _Row] = {}
         self._stats = Stats()
+        self._namespace = namespace if prefix_cache_bytes > 0 else None
+        self._prefix_bytes = prefix_cache_bytes
+        self._apc: Any = None
         self._gen = self._new_generator()
 
-    def _new_generator(self) -> Any:
-        from mlx_vlm.generate import BatchGenerator
+    def _new_apc(self) -> Any:
+        """mlx-vlm's prefix cache, bounded to ``prefix_cache_bytes`` (None when off)."""
+        if self._namespace is None:
+            return None
+        from mlx_vlm.apc import APCManager
 
+        # In-memory only (no disk tier); its byte bound is the limit we count.
+        return APCManager(overrides={"memory_max_gb": self._prefix_bytes / (1 << 30)})
+
+    def _new_generator(self) -> Any:
         self._rows.clear()
-        return BatchGenerator(
+        self._apc = self._new_apc()
+        return _generator_class()(
             self.model.language_model, self.processor, max_tokens=1,
             stop_tokens=set(self._eos), completion_batch_size=self._max_num_seqs,
             prefill_batch_size=self._max_num_seqs, prefill_step_size=self._prefill_step_size,
-            compute_logprobs=False, stream=mx.default_stream(mx.default_device()))
+            compute_logprobs=False, stream=mx.default_stream(mx.default_device()),
+            apc_manager=self._apc)
 
     # -- the Decoder interface -------------------------------------------------
     def insert(self, prompt: PreparedPrompt, n_cached: int, cache: list[Any] | None,
                sampler: Sampler, processors: list[LogitsProcessor], stop: set[int],
                max_tokens: int) -> int:
-        kwargs = self._embed(prompt)  # the whole prompt: no prefix cache for vision (yet)
+        kwargs = self._embed(prompt)  # the whole prompt: the generator slices a cached prefix
+        if self._namespace is not None:
+            kwargs["_apc_semantic_hash"] = self._namespace(prompt)
         row = _Row(stop=set(stop), tokens=list(prompt.tokens),
                    wants_logprobs=(bool(processors) or sampler is not greedy
                                    or prompt.request.logprobs))
@@ -150,7 +191,9 @@ class VLMBatchDecoder:
         if prompt_tokens:
             self._stats.prompt_tokens += prompt_tokens
             self._stats.prompt_time += elapsed
-        done: list[PromptProgress] = [Progress(int(p.uid)) for p in progress]
+        done: list[PromptProgress] = [
+            Progress(int(p.uid), cached_tokens=int(getattr(p, "cached_tokens", 0) or 0))
+            for p in progress]
         return done, self._responses(responses)
 
     def _responses(self, responses: list[Any]) -> list[TokenResponse]:
@@ -195,7 +238,8 @@ class VLMBatchDecoder:
         for _ in range(_NBYTES_TRIES):
             try:
                 caches = list(self._gen._generation_batch.prompt_cache or [])
-                return sum(int(getattr(c, "nbytes", 0)) for c in caches)
+                apc = self._apc.resident_bytes() if self._apc is not None else 0
+                return apc + sum(int(getattr(c, "nbytes", 0)) for c in caches)
             except (RuntimeError, IndexError, AttributeError, TypeError):
                 continue  # the worker changed the batch meanwhile
         return 0

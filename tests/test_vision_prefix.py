@@ -1,0 +1,109 @@
+"""Prefix reuse for vision prompts (issue 11): turn 2 of a conversation about the same
+image resumes from turn 1's KV state (mlx-vlm's prefix cache salted with mlxd's namespace:
+model, media hashes, cache salt), reports it as ``cached_tokens``, and answers exactly as a
+cold run with the prefix cache off; a different image with the same text reuses nothing."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxd.models.spec import ModelEntry
+from tests.helpers.retrieval import registry_config
+from tests.helpers.server import RunningServer, running_server
+
+pytest.importorskip("mlx_vlm")
+
+FAMILY = "qwen2_vl"  # M-RoPE: resuming must keep its position state right
+
+
+def png(rgb: tuple[int, int, int], size: tuple[int, int] = (64, 64)) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, rgb).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(session_dir: Path) -> Path:
+    from tests.helpers.tiny_vlm import build_tiny_vlm
+
+    root = session_dir / "tiny-vlm"
+    return build_tiny_vlm(FAMILY, root / FAMILY, root / "tokenizers")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen: Path, session_dir: Path,
+            test_home: Path) -> Iterator[tuple[RunningServer, RunningServer]]:
+    entries = [ModelEntry(name=FAMILY, source=str(tiny_qwen))]
+    warm = registry_config(session_dir / "vlm-prefix-on.yaml", entries, test_home,
+                           max_num_seqs=2)
+    cold = registry_config(session_dir / "vlm-prefix-off.yaml", entries, test_home,
+                           max_num_seqs=2, prefix_cache_bytes=0)
+    with running_server(warm) as on, running_server(cold) as off:
+        yield on, off
+
+
+def turn_one(url: str) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": "You describe images carefully, in a few words."},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What colour is this?"}]}]
+
+
+def chat(srv: RunningServer, messages: list[dict[str, Any]]) -> tuple[str, int, int]:
+    """(answer, prompt tokens, cached tokens) of one greedy request."""
+    answer, prompt, cached, _ = chat_logprobs(srv, messages)
+    return answer, prompt, cached
+
+
+def chat_logprobs(srv: RunningServer,
+                  messages: list[dict[str, Any]]) -> tuple[str, int, int, list[float]]:
+    """One greedy request: its answer, prompt and cached tokens, and its first token's
+    top log-probabilities (positions set wrong on resume would move them)."""
+    import openai
+
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+    r = client.chat.completions.create(model=FAMILY, messages=messages,  # type: ignore[arg-type]
+                                       max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=5)
+    usage = r.usage
+    assert usage is not None and r.choices[0].logprobs is not None
+    details = usage.prompt_tokens_details
+    cached = int(details.cached_tokens or 0) if details is not None else 0
+    content = r.choices[0].logprobs.content or []
+    top = [t.logprob for t in content[0].top_logprobs] if content else []
+    return str(r.choices[0].message.content), usage.prompt_tokens, cached, top
+
+
+def test_turn_two_on_the_same_image_resumes_turn_ones_kv_state(
+        servers: tuple[RunningServer, RunningServer]) -> None:
+    on, off = servers
+    url = png((220, 30, 30))
+    first = turn_one(url)
+    answer, prompt1, cached1 = chat(on, first)
+    assert cached1 == 0  # nothing stored yet
+    second = [*first, {"role": "assistant", "content": answer},
+              {"role": "user", "content": "And what shape is it, in one word?"}]
+    warm_answer, prompt2, cached2, warm_top = chat_logprobs(on, second)
+    assert prompt2 > prompt1
+    assert cached2 >= prompt1 // 2, (cached2, prompt1)  # most of turn 1's prompt, image included
+    cold_answer, _, cold_cached, cold_top = chat_logprobs(off, second)
+    assert cold_cached == 0
+    assert warm_answer == cold_answer  # resuming (M-RoPE positions included) changes nothing
+    assert warm_top == pytest.approx(cold_top, abs=1e-4)
+
+
+def test_a_different_image_with_the_same_text_reuses_nothing(
+        servers: tuple[RunningServer, RunningServer]) -> None:
+    on, off = servers
+    chat(on, turn_one(png((30, 200, 40))))
+    other = turn_one(png((30, 50, 220)))  # same size, same text: only the pixels differ
+    answer, _, cached = chat(on, other)
+    assert cached == 0
+    assert answer == chat(off, other)[0]
