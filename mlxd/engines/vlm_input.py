@@ -14,6 +14,7 @@ NumPy, turned into MLX arrays only on the model's worker thread.
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -72,20 +73,10 @@ class VisionInputProcessor(InputProcessor):
 
     def media_of(self, messages: list[dict[str, Any]]) -> tuple[MediaItem, ...]:
         """Every resolved image and video in prompt order, each with its content hash."""
-        out: list[MediaItem] = []
-        for m in messages:
-            content = m.get("content")
-            if not isinstance(content, list):
-                continue
-            for part in content:
-                if not isinstance(part, dict):
-                    continue
-                image, video = part.get("image"), part.get("video")
-                if isinstance(image, ImageInput):
-                    out.append(MediaItem("image", image.sha256, data=image.data))
-                elif isinstance(video, VideoInput):
-                    out.append(MediaItem("video", video.sha256, ref=f"video:{len(video.frames)}"))
-        return tuple(out)
+        return tuple(
+            MediaItem("image", item.sha256, data=item.data) if isinstance(item, ImageInput)
+            else MediaItem("video", item.sha256, ref=f"video:{len(item.frames)}")
+            for item in resolved_media(messages))
 
     # -- the stage -----------------------------------------------------------
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
@@ -115,10 +106,8 @@ class VisionInputProcessor(InputProcessor):
         return {k: np.asarray(v) for k, v in dict(out).items() if v is not None}
 
 
-def _decoded_media(messages: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
-    """PIL images and frame lists of the resolved parts, in prompt order."""
-    images: list[Any] = []
-    videos: list[Any] = []
+def resolved_media(messages: list[dict[str, Any]]) -> Iterator[ImageInput | VideoInput]:
+    """The resolved images and videos of ``messages``, in prompt order."""
     for m in messages:
         content = m.get("content")
         if not isinstance(content, list):
@@ -128,9 +117,20 @@ def _decoded_media(messages: list[dict[str, Any]]) -> tuple[list[Any], list[Any]
                 continue
             image, video = part.get("image"), part.get("video")
             if isinstance(image, ImageInput):
-                images.append(decode_image(image))
+                yield image
             elif isinstance(video, VideoInput):
-                videos.append([np.asarray(f) for f in video.frames])
+                yield video
+
+
+def _decoded_media(messages: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
+    """PIL images and frame lists of the resolved parts, in prompt order."""
+    images: list[Any] = []
+    videos: list[Any] = []
+    for item in resolved_media(messages):
+        if isinstance(item, ImageInput):
+            images.append(decode_image(item))
+        else:
+            videos.append([np.asarray(f) for f in item.frames])
     return images, videos
 
 

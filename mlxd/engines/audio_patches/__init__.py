@@ -8,9 +8,7 @@ last model of the family unloads); this registry holds the audio patches.
 
 from __future__ import annotations
 
-import threading
-
-from mlxd.engines.vlm_patches import Patch, PatchHandle, PatchRegistry
+from mlxd.engines.vlm_patches import Patch, PatchHandle, PatchRegistry, ProcessRegistry
 
 __all__ = ["Patch", "PatchHandle", "PatchRegistry", "registry"]
 
@@ -22,15 +20,4 @@ def default_patches() -> list[Patch]:
     return [kokoro_conv.PATCH]
 
 
-# Patches change class attributes, which are process-wide: the one record of what is
-# applied must be process-wide too (the exception to "no module-level state").
-_REGISTRY: list[PatchRegistry] = []
-_REGISTRY_LOCK = threading.Lock()
-
-
-def registry() -> PatchRegistry:
-    """The process's audio patch registry."""
-    with _REGISTRY_LOCK:
-        if not _REGISTRY:
-            _REGISTRY.append(PatchRegistry(default_patches()))
-        return _REGISTRY[0]
+registry = ProcessRegistry(default_patches)  # the audio patches (one per process)

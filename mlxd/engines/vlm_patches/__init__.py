@@ -146,15 +146,23 @@ def default_patches() -> list[Patch]:
     return [llava_merge.PATCH, llava_processor_kwargs.PATCH]
 
 
-# Patches change class attributes, which are process-wide: the one record of what is
-# applied must be process-wide too (the exception to "no module-level state").
-_REGISTRY: list[PatchRegistry] = []
-_REGISTRY_LOCK = threading.Lock()
+class ProcessRegistry:
+    """The process's one ``PatchRegistry`` of a kind, built on first use; call it to get it.
+
+    Patches change class attributes, which are process-wide: the one record of what is
+    applied must be process-wide too (the exception to "no module-level state").
+    """
+
+    def __init__(self, patches: Callable[[], list[Patch]]) -> None:
+        self._patches = patches
+        self._lock = threading.Lock()
+        self._registry: PatchRegistry | None = None
+
+    def __call__(self) -> PatchRegistry:
+        with self._lock:
+            if self._registry is None:
+                self._registry = PatchRegistry(self._patches())
+            return self._registry
 
 
-def registry() -> PatchRegistry:
-    """The process's patch registry."""
-    with _REGISTRY_LOCK:
-        if not _REGISTRY:
-            _REGISTRY.append(PatchRegistry(default_patches()))
-        return _REGISTRY[0]
+registry = ProcessRegistry(default_patches)  # the vision patches
