@@ -35,7 +35,14 @@ import httpx
 import numpy as np
 import yaml
 
-from bench.servers import ServerProcess, ServerSpec, free_port, machine, subprocess_env
+from bench.servers import (
+    ServerProcess,
+    ServerSpec,
+    free_port,
+    machine,
+    subprocess_env,
+    write_report,
+)
 from mlxd.models.starter import STARTER_STT, STARTER_TTS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -235,10 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "blas": blas}}
     results["stt"] = stt(args, sizes, env)
     tag = "audio-quick" if args.quick else "audio"
-    (args.out / f"{tag}.json").write_text(json.dumps(results, indent=2))
-    report = markdown(results)
-    (args.out / f"{tag}.md").write_text(report)
-    print(report)
+    write_report(args.out, tag, results, markdown)
     return 0
 
 

@@ -30,7 +30,14 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.servers import ServerProcess, ServerSpec, free_port, machine, subprocess_env
+from bench.servers import (
+    ServerProcess,
+    ServerSpec,
+    free_port,
+    machine,
+    subprocess_env,
+    write_report,
+)
 from mlxd.models.starter import STARTER_TTS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -180,10 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                                            "blas": blas}}
     results["tts"] = tts(args, sizes, env)
     tag = "audio-tts-quick" if args.quick else "audio-tts"
-    (args.out / f"{tag}.json").write_text(json.dumps(results, indent=2))
-    report = markdown(results)
-    (args.out / f"{tag}.md").write_text(report)
-    print(report)
+    write_report(args.out, tag, results, markdown)
     return 0
 
 

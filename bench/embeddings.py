@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.servers import machine, subprocess_env
+from bench.servers import machine, subprocess_env, write_report
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDING_MODEL = "all-minilm-l6-v2"
@@ -327,10 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         vectors = runs.get("http", {}).pop("vectors", None)
         runs.get("http-concurrent", {}).pop("vectors", None)
         results["min_cosine_http_vs_st"] = _min_cosine(vectors, tmp / "st.npy")
-    (args.out / f"{tag}.json").write_text(json.dumps(results, indent=2) + "\n")
-    report = markdown(results)
-    (args.out / f"{tag}.md").write_text(report)
-    print(report)
+    write_report(args.out, tag, results, markdown)
     return 0 if all(not r.get("error") for r in results["runs"].values()) else 1
 
 

@@ -3,12 +3,14 @@ until it answers, read its memory, and always kill it (its whole process group) 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -190,6 +192,15 @@ def subprocess_env(mode: str) -> tuple[dict[str, str], str]:
     if plan.library:
         return env, f"OpenBLAS preloaded ({plan.library})"
     return env, "reference BLAS of the mlx-cpu wheel (no OpenBLAS)"
+
+
+def write_report(out: Path, tag: str, results: dict[str, Any],
+                 markdown: Callable[[dict[str, Any]], str]) -> None:
+    """Write a bench's results as ``<tag>.json`` and its table as ``<tag>.md``, and print it."""
+    (out / f"{tag}.json").write_text(json.dumps(results, indent=2) + "\n")
+    report = markdown(results)
+    (out / f"{tag}.md").write_text(report)
+    print(report)
 
 
 def machine(blas: str, dists: tuple[str, ...]) -> dict[str, Any]:

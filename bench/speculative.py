@@ -23,6 +23,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from bench.servers import write_report
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -162,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.model or smollm2_float32(args.home)
     results = run(folder, args.quick)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "speculative.json").write_text(json.dumps(results, indent=2))
-    report = markdown(results)
-    (args.out / "speculative.md").write_text(report)
-    print(report)
+    write_report(args.out, "speculative", results, markdown)
     return 0
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from bench.servers import ServerProcess, ServerSpec, free_port, subprocess_env
+from bench.servers import ServerProcess, ServerSpec, free_port, subprocess_env, write_report
 
 REPO = Path(__file__).resolve().parent.parent
 CONTENDERS = ("mlxd", "mlx_vlm.server", "vllm-mlx")
@@ -217,10 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.servers.split(","):
         print(f"--- {name}", flush=True)
         results["servers"][name] = run_contender(name, folder, args, env)
-    (args.out / f"{tag}.json").write_text(json.dumps(results, indent=1))
-    report = markdown(results)
-    (args.out / f"{tag}.md").write_text(report)
-    print(report)
+    write_report(args.out, tag, results, markdown)
     return 0
 
 
