@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
-MODES = ("auto", "prompt-lookup", "off")
+MODES = ("auto", "prompt-lookup", "draft", "off")
 # Consecutive failed drafts back a sequence off for 2**fails - 1 steps, at most this many.
 MAX_BACKOFF_STEPS = 32
 
@@ -148,6 +148,30 @@ class _Plan:
     drafts: list[list[int]] = field(default_factory=list)
 
 
+class Drafter(Protocol):
+    """A source of drafts other than prompt lookup (``engines/draft.py``: a draft model).
+
+    The batch asks it for this step's drafts, lets it judge the target's samples
+    (it may rewrite ``picks`` so that the compare keeps what its acceptance rule
+    accepts, and puts the token that follows there), then tells it what each row
+    accepted before the batch rewinds its cache and drops finished rows.
+    """
+
+    def propose(self, batch: SpeculativeBatch, budget: int) -> tuple[list[int],
+                                                                     list[list[int]]] | None:
+        """(pending tokens, each row's drafts), or None for a plain step."""
+        ...
+
+    def judge(self, batch: SpeculativeBatch, drafts: list[list[int]], logprobs: mx.array,
+              picks: list[list[int]]) -> None:
+        """Apply the drafter's acceptance rule to ``picks`` (the target's samples)."""
+        ...
+
+    def commit(self, batch: SpeculativeBatch, accepted: list[int]) -> None:
+        """Each row kept ``accepted[i]`` of its drafts (plus the pending token)."""
+        ...
+
+
 class SpeculativeBatch(GenerationBatch):
     """mlx-lm's ``GenerationBatch`` plus in-batch verification of prompt-lookup drafts."""
 
@@ -158,6 +182,7 @@ class SpeculativeBatch(GenerationBatch):
         self.counts: dict[int, SpecCounts] = {}
         self.totals = SpecCounts()
         self.verify_steps = 0
+        self.drafter: Drafter | None = None  # None: prompt lookup
 
     # -- planning ------------------------------------------------------------
     def _row(self, i: int) -> RowState:
@@ -183,6 +208,9 @@ class SpeculativeBatch(GenerationBatch):
         if budget < 1 or not all(type(c) is BatchKVCache for c in self.prompt_cache):
             return None
         self._prune()
+        if self.drafter is not None:
+            proposal = self.drafter.propose(self, budget)
+            return None if proposal is None else _Plan(*proposal)
         candidates = [i for i in range(batch) if self._row(i).ready()]
         if not candidates:
             return None
@@ -219,6 +247,8 @@ class SpeculativeBatch(GenerationBatch):
         sampled = self._sample(logprobs)
         mx.eval(sampled, logprobs)
         picks = cast(list[list[int]], sampled.tolist())
+        if self.drafter is not None:
+            self.drafter.judge(self, drafts, logprobs, picks)
         out_tokens: list[list[int]] = []
         out_logprobs: list[list[mx.array]] = []
         next_tokens, next_logprobs, rejected = [], [], []
@@ -236,6 +266,8 @@ class SpeculativeBatch(GenerationBatch):
                 self._token_context[i].update_and_fetch(mx.array(draft[:a], dtype=mx.int32))
             if draft:
                 self._account(i, len(draft), a)
+        if self.drafter is not None:
+            self.drafter.commit(self, [width - r for r in rejected])
         self._rewind(rejected)
         self._next_tokens = mx.array(next_tokens, dtype=self._next_tokens.dtype)
         self._next_logprobs = next_logprobs
@@ -327,13 +359,16 @@ class SpeculativeBatch(GenerationBatch):
         return responses
 
 
-def install(gen: BatchGenerator, options: SpeculativeOptions) -> SpeculativeBatch:
-    """Make ``gen`` decode through a ``SpeculativeBatch`` (it must not have started)."""
+def install(gen: BatchGenerator, options: SpeculativeOptions,
+            drafter: Drafter | None = None) -> SpeculativeBatch:
+    """Make ``gen`` decode through a ``SpeculativeBatch`` (it must not have started);
+    ``drafter`` replaces prompt lookup (a draft model)."""
     old = gen._generation_batch
     if len(old):
         raise RuntimeError("install speculation before the first sequence joins")
     spec = SpeculativeBatch.empty(gen.model, gen.sampler)
     spec.options = options
+    spec.drafter = drafter
     gen._generation_batch = spec
     return spec
 
