@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import pytest
 from mlxd.models.starter import STARTER_STT, STARTER_TTS
 from tests.helpers.audio import SENTENCES, SHORT, decode, wav, word_error_rate
 from tests.helpers.retrieval import registry_config
-from tests.helpers.server import free_port
+from tests.helpers.server import free_port, wait_serving
 
 pytest.importorskip("mlx_whisper", reason="mlx-whisper is in the `audio` extra")
 pytest.importorskip("av", reason="PyAV is in the `audio` extra")
@@ -56,17 +55,7 @@ class ServeProcess:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlxd serve exited: {self.log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)  # polling a starting process
-        raise TimeoutError(f"mlxd serve did not start: {self.log.read_text()[-3000:]}")
+        wait_serving(self.proc, self.url, self.log, timeout)
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=600)

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from mlxd.config import ServerConfig
-from tests.helpers.server import RunningServer, free_port, running_server
+from tests.helpers.server import RunningServer, free_port, running_server, wait_serving
 
 PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 DEADLINE_S = 30.0  # generous: a 2-core CI machine shares the CPU with the server
@@ -213,16 +213,7 @@ def _serve_with_nofile(tiny_model: Path, home: Path, log: Path, *flags: str,
             env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_serving(proc, url, log, 120)
         yield url, proc
     finally:
         proc.kill()

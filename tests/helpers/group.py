@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from tests.helpers.server import free_port
+from tests.helpers.server import free_port, wait_serving
 
 START_TIMEOUT_S = 300.0  # two ranks load on a shared 2-core machine
 
@@ -86,15 +85,5 @@ def running_group(model: Path, home: Path, log: Path, *, ranks: int = 2,
 
 
 def _wait_ready(group: RunningGroup) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if group.proc.poll() is not None:
-            raise RuntimeError(f"the group exited: {group.log.read_text()[-3000:]}")
-        try:
-            r = httpx.get(group.url + "/health", timeout=5)
-            if r.status_code == 200 and r.json()["loaded"]:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)  # polling a starting process, not synchronising with it
-    raise TimeoutError(f"the group did not start: {group.log.read_text()[-3000:]}")
+    wait_serving(group.proc, group.url, group.log, START_TIMEOUT_S,
+                 ready=lambda health: bool(health["loaded"]))

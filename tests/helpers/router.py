@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers.server import free_port
+from tests.helpers.server import free_port, wait_serving
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 START_TIMEOUT_S = 180.0
@@ -111,17 +110,8 @@ def start_replica(model: Path, home: Path, log: Path, *extra: str) -> Replica:
 
 
 def wait_ready(replica: Replica) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if replica.proc.poll() is not None:
-            raise RuntimeError(f"replica exited: {replica.log.read_text()[-3000:]}")
-        try:
-            if replica.health().get("ready"):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)  # polling a starting process
-    raise TimeoutError(f"replica did not start: {replica.log.read_text()[-3000:]}")
+    wait_serving(replica.proc, replica.url, replica.log, START_TIMEOUT_S,
+                 ready=lambda health: bool(health.get("ready")))
 
 
 def make_router(replicas: list[Replica], **kwargs: Any) -> Any:

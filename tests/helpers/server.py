@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +23,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_serving(proc: subprocess.Popen[Any], url: str, log: Path, timeout: float,
+                 ready: Callable[[dict[str, Any]], bool] = lambda health: True) -> None:
+    """Poll ``url``/health until a 200 whose JSON satisfies ``ready``; raise with the tail of
+    ``log`` if ``proc`` exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlxd serve exited: {log.read_text(errors='replace')[-3000:]}")
+        try:
+            r = httpx.get(url + "/health", timeout=5)
+            if r.status_code == 200 and ready(r.json()):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)  # polling a starting process, not synchronising with it
+    raise TimeoutError(f"mlxd serve did not start: {log.read_text(errors='replace')[-3000:]}")
 
 
 class RunningServer:
