@@ -107,7 +107,7 @@ def test_five_sentences_round_trip_within_the_wer_bound(client: Any, sentences: 
         model=MODEL, file=("speech.wav", sentences), response_format="verbose_json",
         timestamp_granularities=["word", "segment"])
     assert word_error_rate(" ".join(SENTENCES), out.text) <= MAX_WER, out.text
-    assert out.language == "en" and abs(out.duration - len(decode(sentences)) / 16_000) < 0.01
+    assert out.language == "english" and abs(out.duration - len(decode(sentences)) / 16_000) < 0.01
     assert out.segments and out.words
     starts = [w.start for w in out.words]
     assert starts == sorted(starts)

@@ -184,6 +184,7 @@ class Transcription:
     duration: float  # seconds of audio
     segments: tuple[TranscriptSegment, ...] = ()
     words: tuple[TranscriptWord, ...] = ()  # only when word timestamps were asked for
+    language_name: str | None = None  # "english" for "en" (verbose_json's field)
 
 
 class Transcriber(ModelEngine, Protocol):

@@ -42,6 +42,7 @@ from mlxd.engines.stt_whisper import (
     bind_transcribe,
     check_language,
     is_whisper_folder,
+    language_name,
     load_whisper,
     run_whisper,
     segment_text,
@@ -130,7 +131,8 @@ class STTEngine:
         duration = len(request.audio) / request.sample_rate
         if not request.audio.size or float(abs(request.audio).max()) < SILENCE_PEAK:
             language = request.language or ("en" if request.task == "translate" else None)
-            return Transcription(text="", language=language, duration=duration)
+            return Transcription(text="", language=language, duration=duration,
+                                 language_name=language_name(language))
         with self._lock:
             self._counts["requests"] += 1
             self._counts["running"] += 1
@@ -183,9 +185,11 @@ def to_transcription(result: dict[str, Any], duration: float) -> Transcription:
             w_start = min(float(w["start"]), duration)
             words.append(TranscriptWord(str(w["word"]).strip(), w_start,
                                         max(w_start, min(float(w["end"]), duration))))
+    language = result.get("language")
     return Transcription(text=str(result.get("text", "")).strip(),
-                         language=result.get("language"), duration=duration,
-                         segments=tuple(segments), words=tuple(words))
+                         language=language, duration=duration,
+                         segments=tuple(segments), words=tuple(words),
+                         language_name=language_name(language))
 
 
 def _float(value: Any) -> float | None:

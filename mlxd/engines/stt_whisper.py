@@ -83,6 +83,18 @@ def bind_transcribe(name: str, model: Any, printed: Callable[[str], None]) -> Tr
     return bound
 
 
+def language_name(code: str | None) -> str | None:
+    """OpenAI's verbose_json names the language ("english"), Whisper's result gives its
+    code ("en"): the name from Whisper's own table, else what the model gave."""
+    if code is None:
+        return None
+    try:
+        from mlx_whisper.tokenizer import LANGUAGES
+    except ImportError:  # an mlx-audio family without mlx-whisper installed
+        return code
+    return str(LANGUAGES.get(code, code))
+
+
 def check_language(name: str, model: Any, request: TranscriptionRequest) -> str | None:
     """The language to decode in (None: detect), or a 400 the model cannot honour."""
     from mlx_whisper.tokenizer import LANGUAGES

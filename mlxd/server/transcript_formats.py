@@ -47,7 +47,7 @@ def verbose_json(t: Transcription, task: str,
                  granularities: Sequence[str]) -> dict[str, Any]:
     """OpenAI's ``verbose_json``: segments (unless only words were asked for), words when
     asked for, with times in seconds from the start of the recording."""
-    body: dict[str, Any] = {"task": task, "language": t.language or "", "duration": t.duration,
+    body: dict[str, Any] = {"task": task, "language": t.language_name or t.language or "", "duration": t.duration,
                             "text": t.text}
     if list(granularities) != ["word"]:
         body["segments"] = [
