@@ -114,3 +114,43 @@ def test_turns_resume_from_the_previous_turn(server: Any) -> None:
     # (a recurrent state cannot be cut back to leave that token to process).
     again = _chat(http, messages[:-1])["usage"]
     assert prompts[-2] <= again["prompt_tokens_details"]["cached_tokens"] < prompts[-1]
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": f"tool_{i}", "description": f"Reads file number {i} of the project.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}} for i in range(4)]
+
+
+def test_a_new_conversation_resumes_from_the_shared_system_prompt(server: Any) -> None:
+    """Sessions share a system prompt and tools: a second conversation resumes from the
+    checkpoint where the first one's system messages ended (a recurrent state cannot be
+    cut back to it), with the same greedy tokens as a cold run."""
+    http = server
+    system = "You are a reviewing agent. " + " ".join(f"Check {i} finds bug {i}."
+                                                      for i in range(20))
+
+    def conversation(task: str, salt: str | None = None) -> dict:
+        r = http.post("/v1/chat/completions", json={
+            "model": "m", "max_tokens": 12, "temperature": 0, "tools": TOOLS,
+            **({"cache_salt": salt} if salt else {}),
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": task}]})
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    def cached(resp: dict) -> int:
+        return int(resp["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    shared = http.post("/tokenize", json={"model": "m", "tools": TOOLS, "messages": [
+        {"role": "system", "content": system}]}).json()["count"]
+    first = conversation("Review the parser module for off-by-one errors.")
+    assert cached(first) == 0
+    for task in ("Now review the lexer for unicode handling bugs.",
+                 "List every file that imports the tokenizer."):
+        warm, cold = conversation(task), conversation(task, salt=uuid.uuid4().hex)
+        assert cached(cold) == 0
+        # the whole system prompt with its tools, not the task
+        assert shared - 8 <= cached(warm) < warm["usage"]["prompt_tokens"] - 4, \
+            (cached(warm), shared, warm["usage"]["prompt_tokens"])
+        assert warm["choices"][0]["message"] == cold["choices"][0]["message"]

@@ -110,7 +110,9 @@ class SerialDecoder(Protocol):
         for ``prompt_state``."""
 
     def prompt_state(self) -> CacheAndTokens | None:
-        """A copy of the cache after the prompt (all but its last token) and those tokens."""
+        """The prompt's next checkpoint, each taken once (None when none is left): a copy
+        of the cache and the tokens it covers, at each of the prompt's ``checkpoints``,
+        then after the prompt but its last token."""
 
     def final_state(self) -> CacheAndTokens | None:
         """The ended generation's cache and the tokens it covers (prompt and output)."""

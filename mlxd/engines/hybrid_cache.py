@@ -5,7 +5,9 @@ SSMs, ...) keep an ``ArraysCache`` per recurrent layer: a fixed-size state
 that cannot be trimmed back to a shorter prefix. They still batch in mlx-lm's
 ``BatchGenerator`` (the cache merges, extends and filters), and their prefix
 reuse works from checkpoints: full cache states stored at message boundaries
-(end of a prompt, end of a generation) that a later prompt extends exactly.
+(end of the leading system messages, end of a prompt, end of a generation) that
+a later prompt extends exactly. The system-prompt checkpoint lets a new
+conversation resume from the system prompt and tools it shares with others.
 
 Batched prefill right-pads prompts of different lengths and relies on each
 recurrent layer honouring ``cache.lengths`` so padding never enters its
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from itertools import pairwise
 from typing import Any
 
 import mlx.core as mx
@@ -51,6 +54,17 @@ def prefill_batch_size(model_type: str, cache: list[Any], max_num_seqs: int) -> 
     return 1
 
 
+def segments(tokens: list[int], n_cached: int, checkpoints: tuple[int, ...]) -> list[list[int]]:
+    """The uncached part of a prompt, cut at its ``checkpoints`` (token offsets).
+
+    ``BatchGenerator`` stops at each segment's end, where the scheduler stores the
+    state; offsets already cached, or at the prompt's last token, are no cut.
+    """
+    cuts = sorted({c for c in checkpoints if n_cached < c < len(tokens) - 1})
+    bounds = [n_cached, *cuts, len(tokens)]
+    return [tokens[a:b] for a, b in pairwise(bounds)]
+
+
 def snapshot(cache: list[Any]) -> list[Any]:
     """A private, evaluated copy of ``cache`` (the live one keeps changing)."""
     mx.eval([c.state for c in cache])
@@ -78,17 +92,17 @@ def with_context(processor: LogitsProcessor, context: list[int]) -> LogitsProces
 class SerialRun:
     """One serial generation's cache and the tokens it covers, for checkpoints.
 
-    ``prompt_state`` covers the prompt but its last token (that one is fed
-    with the first decode step). mlx-lm's ``generate_step`` feeds each token
+    ``prompt_states`` are the prompt's checkpoints, the last covering the prompt
+    but its last token (that one is fed with the first decode step). mlx-lm's ``generate_step`` feeds each token
     before yielding it, so once a token was yielded the live cache covers the
     prompt and every token yielded so far: ``final_state`` at the end.
     """
 
     def __init__(self, cache: list[Any], prompt: list[int],
-                 prompt_state: CacheAndTokens | None) -> None:
+                 prompt_states: list[CacheAndTokens]) -> None:
         self.cache = cache
         self.tokens = list(prompt)
-        self.prompt_state = prompt_state
+        self.prompt_states = prompt_states
 
     def track(self, steps: Iterator[tuple[Any, mx.array]]) -> Iterator[tuple[Any, mx.array]]:
         """``steps``, recording each yielded token as covered by the cache."""

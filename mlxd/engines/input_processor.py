@@ -75,6 +75,9 @@ class PreparedPrompt:
     grammar: str | None = None
     media: tuple[MediaItem, ...] = ()  # in prompt order; text models have none
     cache_salt: str | None = None  # separates prefix-cache entries (vLLM's cache_salt)
+    # Token offsets inside the prompt worth a prefix-cache checkpoint (where the leading
+    # system messages end), for models whose cache cannot be cut back to a prefix.
+    checkpoints: tuple[int, ...] = ()
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -108,6 +111,9 @@ class InputProcessor:
         self.reasoning = reasoning
         self.tool_format = tool_format
         self.grammar_tokenizer = grammar_tokenizer
+        # Set at load for hybrid models: their recurrent state cannot be trimmed, so a new
+        # conversation reuses the shared system prompt only from a checkpoint at its end.
+        self.checkpoint_system = False
 
     # -- the stage ---------------------------------------------------------
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
@@ -115,10 +121,15 @@ class InputProcessor:
         request = self._checked_sampling(request)
         fmt: ToolCallFormat | None = None
         media: tuple[MediaItem, ...] = ()
+        checkpoints: tuple[int, ...] = ()
         if request.messages is not None:
             self._check_chars(text_chars(request.messages), "messages")  # before rendering
-            text, fmt, media = self._render_chat(request)
+            messages, kwargs, fmt = self._template_input(request)
+            text = self._apply_template(request, messages, kwargs)
+            media = self.media_of(request.messages)
             tokens = self._encode(text, False, "messages")
+            if self.checkpoint_system:
+                checkpoints = self._system_end(messages, kwargs, tokens)
         elif isinstance(request.prompt, str):
             text = request.prompt
             tokens = self._encode(text, True, "prompt")
@@ -136,7 +147,7 @@ class InputProcessor:
                                   and self.reasoning.starts_inside(text))
         return PreparedPrompt(request, tokens, text, max_tokens, stop_ids, start_in_reasoning,
                               fmt, self._grammar(request, fmt), media=media,
-                              cache_salt=request.cache_salt)
+                              cache_salt=request.cache_salt, checkpoints=checkpoints)
 
     def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> list[int]:
         """The token ids of ``request``'s prompt (text) or chat messages, rendered and
@@ -193,9 +204,16 @@ class InputProcessor:
     # -- steps -------------------------------------------------------------
     def _render_chat(self, request: GenerationRequest
                      ) -> tuple[str, ToolCallFormat | None, tuple[MediaItem, ...]]:
+        messages, kwargs, fmt = self._template_input(request)
+        return self._apply_template(request, messages, kwargs), fmt, \
+            self.media_of(request.messages or [])
+
+    def _template_input(self, request: GenerationRequest
+                        ) -> tuple[list[dict[str, Any]], dict[str, Any], ToolCallFormat | None]:
+        """The messages (tool descriptions included) and keyword arguments the chat
+        template renders, and the tool-call format the answer is parsed with."""
         tok = self.tokenizer
-        raw = request.messages or []
-        messages = template_messages(raw, content=self.content)
+        messages = template_messages(request.messages or [], content=self.content)
         use_tools = bool(request.tools) and request.tool_choice.mode != "none"
         fmt = self.tool_format if use_tools else None
         if use_tools and request.tool_choice.mode in ("required", "function"):
@@ -208,18 +226,41 @@ class InputProcessor:
             else:
                 prompt = tools_system_prompt(request.tools, fmt, request.tool_choice)
                 messages = with_tools_prompt(messages, prompt)
+        return messages, kwargs, fmt
+
+    def _apply_template(self, request: GenerationRequest, messages: list[dict[str, Any]],
+                        kwargs: dict[str, Any]) -> str:
+        tok = self.tokenizer
         if tok.chat_template is None:
             raise InvalidRequest(
                 f"Model '{self.name}' has no chat template; use /v1/completions instead.")
         try:
-            text = tok.apply_chat_template(
+            return cast(str, tok.apply_chat_template(
                 messages, tokenize=False,
                 add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
-                continue_final_message=request.continue_final_message, **kwargs)
+                continue_final_message=request.continue_final_message, **kwargs))
         except Exception as e:  # jinja errors: roles must alternate, missing fields...
             raise InvalidRequest(f"The chat template rejected the messages: {e}",
                                  param="messages") from e
-        return text, fmt, self.media_of(raw)
+
+    def _system_end(self, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+                    tokens: list[int]) -> tuple[int, ...]:
+        """Where the prompt's leading system messages end (tool descriptions included),
+        as a token offset: the tokens every conversation with this system prompt starts
+        with. Found by rendering those messages before an empty user turn and keeping
+        what ``tokens`` shares with it; ``()`` when that is nothing or the whole prompt."""
+        n = next((i for i, m in enumerate(messages) if m.get("role") != "system"),
+                 len(messages))
+        try:
+            head = self.tokenizer.apply_chat_template(
+                [*messages[:n], {"role": "user", "content": ""}], tokenize=False,
+                add_generation_prompt=False, **kwargs)
+        except Exception:  # a template that refuses an empty turn: no checkpoint, no error
+            return ()
+        head_ids = self.tokenizer.encode(head, add_special_tokens=False)
+        end = next((i for i, (a, b) in enumerate(zip(head_ids, tokens)) if a != b),
+                   min(len(head_ids), len(tokens)))
+        return (end,) if 0 < end < len(tokens) - 1 else ()
 
     def _checked_sampling(self, request: GenerationRequest) -> GenerationRequest:
         """400 for token ids outside the vocabulary; ``top_k`` >= vocabulary means off."""

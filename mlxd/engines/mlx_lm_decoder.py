@@ -24,7 +24,7 @@ from mlxd.engines.decoder import (
     StepStats,
     TokenResponse,
 )
-from mlxd.engines.hybrid_cache import SerialRun, prefill, snapshot, with_context
+from mlxd.engines.hybrid_cache import SerialRun, prefill, segments, snapshot, with_context
 from mlxd.engines.input_processor import PreparedPrompt
 from mlxd.engines.speculative import SpeculativeBatch, SpeculativeOptions, install, pop_counts
 
@@ -84,8 +84,10 @@ class LMBatchDecoder:
                sampler: Sampler, processors: list[LogitsProcessor], stop: set[int],
                max_tokens: int) -> int:
         tokens = prompt.tokens
-        (uid,) = self._gen.insert(
-            [tokens[n_cached:]],
+        # cut at the prompt's checkpoints (hybrids: where the system prompt ends) so the
+        # generator stops there and the scheduler can store the state
+        (uid,) = self._gen.insert_segments(
+            [segments(tokens, n_cached, getattr(prompt, "checkpoints", ()))],
             max_tokens=[max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[tokens[:n_cached]] if cache is not None else None,
@@ -137,10 +139,20 @@ class LMSerialDecoder:
               checkpoint_prompt: bool = False) -> Iterator[tuple[Any, mx.array]]:
         tokens = prompt.tokens
         cache = cache if cache is not None else make_prompt_cache(self.model)
-        prefill(self.model, cache, tokens[n_cached:-1], self.prefill_step_size)
+        states: list[CacheAndTokens] = []
+        done = n_cached
+        # up to each checkpoint (hybrids: where the system prompt ends), then all but the
+        # last token; the last piece of ``segments`` holds the last token
+        for piece in segments(tokens, n_cached, getattr(prompt, "checkpoints", ()))[:-1]:
+            prefill(self.model, cache, piece, self.prefill_step_size)
+            done += len(piece)
+            if checkpoint_prompt:
+                states.append((snapshot(cache), tokens[:done]))
+        prefill(self.model, cache, tokens[done:-1], self.prefill_step_size)
         head = tokens[:-1]
-        state = (snapshot(cache), head) if checkpoint_prompt and head else None
-        self._run = run = SerialRun(cache, tokens, state)
+        if checkpoint_prompt and head:
+            states.append((snapshot(cache), head))
+        self._run = run = SerialRun(cache, tokens, states)
         steps = generate_step(
             mx.array(tokens[-1:]), self.model, max_tokens=max_tokens, sampler=sampler,
             logits_processors=[with_context(p, head) for p in processors],
@@ -148,12 +160,12 @@ class LMSerialDecoder:
         return run.track(steps)
 
     def prompt_state(self) -> CacheAndTokens | None:
-        """The checkpoint of the running prompt (``checkpoint_prompt``), taken once."""
+        """The running prompt's next checkpoint (``checkpoint_prompt``), each taken once;
+        None when all were taken."""
         run = self._run
-        if run is None:
+        if run is None or not run.prompt_states:
             return None
-        state, run.prompt_state = run.prompt_state, None
-        return state
+        return run.prompt_states.pop(0)
 
     def final_state(self) -> CacheAndTokens | None:
         """The ended generation's cache and the tokens it covers."""

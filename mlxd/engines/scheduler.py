@@ -561,8 +561,7 @@ class SerialScheduler(SchedulerBase):
             and len(prompt.tokens) >= IN_FLIGHT_CACHE_MIN_TOKENS)
         self._current = (seq, steps)
         self.running = {0: seq}
-        state = self.decoder.prompt_state() if pc is not None else None
-        if pc is not None and state is not None:
+        while pc is not None and (state := self.decoder.prompt_state()) is not None:
             pc.insert(list(state[1]), state[0], seq.cache_key)
 
     def _end(self, seq: Sequence, reason: str) -> None:

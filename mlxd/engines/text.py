@@ -140,7 +140,12 @@ class MLXLanguageModel:
         self.vocab_size = vocab_bound(model, config, len(tokenizer))
         self._build_parsers()
         self.inputs = self._input_processor(config)
-        self.scheduler = self._scheduler(model, make_prompt_cache(model))
+        probe_cache = make_prompt_cache(model)
+        # A recurrent state cannot be cut back to the system prompt a new conversation
+        # shares with others: checkpoint it where the system messages end.
+        self.inputs.checkpoint_system = (self.options.prefix_cache_bytes > 0
+                                         and not is_trimmable(probe_cache))
+        self.scheduler = self._scheduler(model, probe_cache)
         self.worker.set_stepper(self.scheduler)
         if self.prefix_cache is not None and self.options.prefix_cache_dir is not None:
             restored = self.prefix_cache.restore(self.options.prefix_cache_dir)
