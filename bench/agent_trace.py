@@ -33,12 +33,16 @@ from mlxd.benchmark.trace_report import comparison, markdown, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 SERVERS = ("mlxd", "mlx_lm.server", "vllm-mlx")
+# Opt-in extra rows (``--servers mlxd,mlxd-lookup,...``): mlxd with prompt-lookup
+# speculation forced on (``--speculative auto`` leaves it off on CPU).
+VARIANTS = ("mlxd-lookup",)
 MODELS = ("smollm2", "hybrid")
 # How each server is sent the turns: (API, tools described in the system message).
 # SmolLM2's chat template (also the hybrid's) cannot render tools: mlx_lm.server and
 # vllm-mlx would drop them silently and mlxd would describe them its own way, so every
 # server gets the same description in the system message.
 APIS: dict[str, tuple[TraceApi, bool]] = {"mlxd": ("messages", True),
+                                          "mlxd-lookup": ("messages", True),
                                           "mlx_lm.server": ("chat", True),
                                           "vllm-mlx": ("messages", True)}
 HYBRID_CONFIG: dict[str, Any] = {
@@ -82,9 +86,10 @@ def hybrid_model(home: Path, smollm2: Path) -> Path:
 def spec_for(name: str, folder: Path, port: int, home: Path) -> Any:
     from bench.servers import mlx_lm_spec, mlxd_spec, vllm_mlx_spec
 
-    if name == "mlxd":  # starts cold like the peers: no prefix cache restored from disk
+    if name in ("mlxd", "mlxd-lookup"):  # starts cold like the peers: no persisted cache
         spec = mlxd_spec(folder, port, home, "auto")
-        return dataclasses.replace(spec, argv=(*spec.argv, "--no-prefix-cache-persist"))
+        extra = ("--speculative", "prompt-lookup") if name == "mlxd-lookup" else ()
+        return dataclasses.replace(spec, argv=(*spec.argv, "--no-prefix-cache-persist", *extra))
     if name == "mlx_lm.server":
         return mlx_lm_spec(folder, port)
     from bench.peers import ensure_vllm_mlx
@@ -174,7 +179,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tag", default="agent_trace", help="result file names")
     args = p.parse_args(argv)
     args.sessions = [int(v) for v in args.sessions.split(",") if v.strip()]
-    for key, allowed in (("servers", SERVERS), ("models", MODELS)):
+    for key, allowed in (("servers", SERVERS + VARIANTS), ("models", MODELS)):
         chosen = getattr(args, key).split(",")
         if set(chosen) - set(allowed):
             p.error(f"--{key}: choose from {', '.join(allowed)}")
