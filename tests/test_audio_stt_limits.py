@@ -183,3 +183,29 @@ def test_decoded_audio_is_16khz_mono_float32(speech: np.ndarray) -> None:
     assert (audio.sample_rate, audio.source_rate, audio.source_channels) == (16_000, 44_100, 2)
     assert audio.samples.dtype == np.float32 and audio.samples.ndim == 1
     assert abs(audio.seconds - len(speech) / 16_000) < 0.01
+
+
+@pytest.fixture(scope="module")
+def small_body_server(tmp_path_factory: pytest.TempPathFactory,
+                      test_home: Path) -> Iterator[RunningServer]:
+    """--max-body-bytes below --max-audio-upload-bytes: uploads follow their own limit."""
+    cfg = registry_config(tmp_path_factory.mktemp("stt-body") / "models.yaml",
+                          [STARTER_STT.model_copy()], test_home,
+                          max_body_bytes=LIMIT_BYTES // 2, max_audio_upload_bytes=LIMIT_BYTES)
+    with running_server(cfg) as srv:
+        yield srv
+
+
+def test_uploads_follow_the_audio_limit_not_the_body_limit(
+        small_body_server: RunningServer) -> None:
+    garbage = bytes(range(256)) * (LIMIT_BYTES * 3 // 4 // 256)  # over the body limit
+    # read and refused as a bad file (not a 413 for the body): the upload limit applies
+    assert_openai_error(_post(small_body_server, garbage), 400, param="file")
+    noise = np.random.default_rng(0).uniform(-0.5, 0.5, 160_000).astype(np.float32)
+    assert_openai_error(_post(small_body_server, wav(noise)), 413, "--max-audio-upload-bytes",
+                        param="file")
+    with small_body_server.client() as http:  # every other route keeps --max-body-bytes
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+            {"role": "user", "content": "x" * LIMIT_BYTES}]})
+    assert_openai_error(r, 413, "exceeds the limit")
+    assert _state(small_body_server) == "unloaded"

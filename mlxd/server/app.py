@@ -26,6 +26,7 @@ from mlxd.models.qualification import check_qualified
 from mlxd.server.context import ServerContext
 from mlxd.server.errors import install_error_handlers
 from mlxd.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from mlxd.server.multipart import MAX_FORM_OVERHEAD_BYTES
 from mlxd.server.observe import RequestMetrics, RequestObserver
 from mlxd.server.openapi import install_openapi
 from mlxd.server.response_store import ResponseStore
@@ -103,7 +104,11 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
         app.include_router(module.router)
     app.include_router(transcriptions.router)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    # an upload may be as large as --max-audio-upload-bytes plus its form fields
+    upload = max(config.max_body_bytes, config.max_audio_upload_bytes + MAX_FORM_OVERHEAD_BYTES)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
+                       per_path={"/v1/audio/transcriptions": upload,
+                                 "/v1/audio/translations": upload})
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins,
                            allow_methods=["*"], allow_headers=["*"],

@@ -34,24 +34,29 @@ async def _send_error(send: Send, path: str, status: int, message: str, kind: st
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over ``max_bytes`` with 413 before they are parsed."""
+    """Refuse bodies over ``max_bytes`` with 413 before they are parsed; a path in
+    ``per_path`` has its own limit instead (audio uploads follow --max-audio-upload-bytes,
+    which their multipart reader enforces exactly)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 per_path: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_bytes = max_bytes
+        self.per_path = dict(per_path or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        max_bytes = self.per_path.get(path, self.default_bytes)
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
-                    if int(value) > self.max_bytes:
+                    if int(value) > max_bytes:
                         await _send_error(send, path, 413,
                                           f"Request body of {int(value)} bytes exceeds the limit "
-                                          f"of {self.max_bytes} bytes.", "request_too_large")
+                                          f"of {max_bytes} bytes.", "request_too_large")
                         return
                 except ValueError:
                     pass
@@ -62,7 +67,7 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     raise _BodyTooLarge()
             return message
 
@@ -70,7 +75,7 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, send)
         except _BodyTooLarge:
             await _send_error(send, path, 413, f"Request body exceeds the limit of "
-                                               f"{self.max_bytes} bytes.", "request_too_large")
+                                               f"{max_bytes} bytes.", "request_too_large")
 
 
 class _BodyTooLarge(Exception):

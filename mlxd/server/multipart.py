@@ -21,6 +21,8 @@ from mlxd.errors import InvalidRequest, MlxdError, PayloadTooLarge
 
 MAX_FIELD_BYTES = 64 * 1024  # one text field (a prompt is at most a few hundred tokens)
 MAX_PARTS = 64
+# the most a form adds to its file: every other part at its limit, plus part headers
+MAX_FORM_OVERHEAD_BYTES = MAX_PARTS * (MAX_FIELD_BYTES + 1024)
 
 
 @dataclass
