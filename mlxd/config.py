@@ -71,9 +71,13 @@ class ServerConfig(BaseSettings):
     prefix_cache_bytes: int | None = None
     max_context: int | None = None
     enable_prefix_cache_persist: bool = True
-    speculative: Literal["auto", "prompt-lookup", "off"] = Field("auto", description=(
-        "speculative decoding in the batched scheduler: prompt-lookup drafts, off, or auto "
-        "(prompt lookup on a GPU, off on CPU)"))
+    speculative: Literal["auto", "prompt-lookup", "draft", "off"] = Field("auto", description=(
+        "speculative decoding in the batched scheduler: prompt-lookup drafts, a draft model "
+        "(draft), off, or auto (the draft model when one is given, else prompt lookup on a "
+        "GPU and off on CPU)"))
+    draft_model: str | None = Field(None, description=(
+        "a small model with MODEL's tokenizer (folder, GGUF or HF id) that drafts tokens for "
+        "MODEL to verify; loaded and unloaded with it, inside its memory estimate"))
     num_draft_tokens: int = Field(4, ge=1, le=16, description=(
         "most tokens one sequence drafts per step (adapted to its acceptance)"))
 

@@ -62,9 +62,12 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                                             "(default 5%% of the budget, at most "
                                                             "1 GiB; 0 disables)"}),
     ("--max-context", "max_context", {"type": int, "help": "cap the context length"}),
-    ("--speculative", "speculative", {"choices": ["auto", "prompt-lookup", "off"],
-                                      "help": "speculative decoding (default auto: prompt "
-                                              "lookup on a GPU, off on CPU)"}),
+    ("--speculative", "speculative", {"choices": ["auto", "prompt-lookup", "draft", "off"],
+                                      "help": "speculative decoding (default auto: the draft "
+                                              "model if given, else prompt lookup on a GPU, "
+                                              "off on CPU)"}),
+    ("--draft-model", "draft_model", {"help": "small model with MODEL's tokenizer that drafts "
+                                              "tokens for MODEL (folder, GGUF or HF id)"}),
     ("--num-draft-tokens", "num_draft_tokens", {"type": int,
                                                 "help": "most draft tokens per sequence and "
                                                         "step (default 4)"}),

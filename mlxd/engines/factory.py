@@ -19,6 +19,7 @@ from mlxd.models.memory import prefix_cache_bytes
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.runtime.distributed import group_options
 from mlxd.runtime.worker import ModelWorker
+from mlxd.sources.resolve import resolve_source
 
 if TYPE_CHECKING:
     from mlxd.engines.base import ModelEngine
@@ -61,8 +62,17 @@ class EngineFactory:
             prefix_cache_dir=(cfg.prefix_cache_dir / safe_name
                               if cfg.enable_prefix_cache_persist and not cfg.hosts else None),
             group=group_options(cfg),
-            speculative=SpeculativeOptions(mode=cfg.speculative,
-                                           num_draft_tokens=cfg.num_draft_tokens))
+            speculative=SpeculativeOptions(mode=speculative_mode(cfg.speculative, entry),
+                                           num_draft_tokens=cfg.num_draft_tokens),
+            draft_model=self.draft_path(entry))
+
+    def draft_path(self, entry: ModelEntry) -> Path | None:
+        """The entry's draft model as a local folder (downloaded or converted if needed),
+        when it will draft (``--speculative`` auto or draft)."""
+        if not entry.draft_model or self.config.speculative not in ("auto", "draft"):
+            return None
+        return resolve_source(entry.draft_model, home=self.config.home, dtype=float_dtype(),
+                              name=f"{entry.name} (draft model)")
 
     def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
         """Construct and load the kind's engine from the local folder ``path``."""
@@ -71,6 +81,14 @@ class EngineFactory:
         engine = self.create(entry, kind, path, worker)
         engine.load()
         return engine
+
+
+def speculative_mode(mode: str, entry: ModelEntry) -> str:
+    """``--speculative`` for one entry: auto or draft drafts with its draft model when it
+    has one; draft without one is off (entries without a draft model do not speculate)."""
+    if entry.draft_model and mode in ("auto", "draft"):
+        return "draft"
+    return "off" if mode == "draft" else mode
 
 
 def float_dtype() -> str:

@@ -7,7 +7,7 @@ wraps ``generate_step``. Media items are never set on a text model's prompts
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any, cast
@@ -26,7 +26,13 @@ from mlxd.engines.decoder import (
 )
 from mlxd.engines.hybrid_cache import SerialRun, prefill, segments, snapshot, with_context
 from mlxd.engines.input_processor import PreparedPrompt
-from mlxd.engines.speculative import SpeculativeBatch, SpeculativeOptions, install, pop_counts
+from mlxd.engines.speculative import (
+    Drafter,
+    SpeculativeBatch,
+    SpeculativeOptions,
+    install,
+    pop_counts,
+)
 
 # Reading the batch's cache size from another thread can meet the worker
 # mid-update (a deque or list resized while summed); a few retries find a
@@ -39,9 +45,11 @@ class LMBatchDecoder:
 
     def __init__(self, model: Any, *, eos_ids: list[int], max_num_seqs: int,
                  prefill_step_size: int, prefill_batch_size: int | None = None,
-                 speculative: SpeculativeOptions | None = None) -> None:
+                 speculative: SpeculativeOptions | None = None,
+                 drafter: Callable[[], Drafter] | None = None) -> None:
         self.model = model
         self._speculative = speculative
+        self._new_drafter = drafter  # a draft model's drafter per generator (None: lookup)
         self._spec: SpeculativeBatch | None = None
         self._eos = sorted(eos_ids)
         self._max_num_seqs = max_num_seqs
@@ -60,9 +68,12 @@ class LMBatchDecoder:
             prefill_step_size=self._prefill_step_size,
             stream=mx.default_stream(mx.default_device()),
         )
-        if self._speculative is not None and self._speculative.enabled:
+        spec = self._speculative
+        # a draft mode without a draft model (not loaded for this model) does not speculate
+        if spec is not None and spec.enabled and (spec.mode != "draft" or self._new_drafter):
             # the model's end-of-sequence tokens are never drafted
-            self._spec = install(gen, replace(self._speculative, stop_ids=frozenset(self._eos)))
+            drafter = self._new_drafter() if self._new_drafter is not None else None
+            self._spec = install(gen, replace(spec, stop_ids=frozenset(self._eos)), drafter)
         return gen
 
     def draft_counts(self, uids: list[int]) -> dict[int, tuple[int, int]]:
@@ -109,10 +120,15 @@ class LMBatchDecoder:
     def cache_nbytes(self) -> int:
         for _ in range(_NBYTES_TRIES):
             try:
-                return int(self._gen.prompt_cache_nbytes)
+                return int(self._gen.prompt_cache_nbytes) + self._drafter_nbytes()
             except (RuntimeError, IndexError):  # the worker changed the batch meanwhile
                 continue
         return 0
+
+    def _drafter_nbytes(self) -> int:
+        """The draft model's batched cache (a draft model's drafter has one)."""
+        drafter = self._spec.drafter if self._spec is not None else None
+        return int(getattr(drafter, "nbytes", 0))
 
     def reset(self) -> None:
         self._gen = self._new_generator()  # the old one closes itself when collected

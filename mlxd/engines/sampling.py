@@ -37,9 +37,22 @@ def build_sampler(params: SamplingParams) -> Sampler:
         return greedy
     top_p = params.top_p if 0.0 < params.top_p < 1.0 else 0.0
     if params.seed is None:
-        return make_sampler(temp=params.temperature, top_p=top_p, min_p=params.min_p,
-                            top_k=max(0, params.top_k))
-    return _seeded_sampler(params, top_p)
+        return tag_sampling(make_sampler(temp=params.temperature, top_p=top_p,
+                                         min_p=params.min_p, top_k=max(0, params.top_k)), params)
+    return tag_sampling(_seeded_sampler(params, top_p), params)
+
+
+def tag_sampling(sampler: Sampler, params: SamplingParams) -> Sampler:
+    """Record on a (non-shared) sampler the settings it draws with: a draft model's
+    rejection rule needs the distribution, not only a sample (``engines/draft.py``)."""
+    sampler.sampling = params  # type: ignore[attr-defined]
+    return sampler
+
+
+def sampling_of(sampler: object) -> SamplingParams | None:
+    """The settings ``tag_sampling`` recorded, if any."""
+    params = getattr(sampler, "sampling", None)
+    return params if isinstance(params, SamplingParams) else None
 
 
 def _seeded_sampler(params: SamplingParams, top_p: float) -> Sampler:

@@ -40,6 +40,7 @@ from mlxd.engines.sampling import (
     build_sampler,
     greedy,
     heal_random_state,
+    tag_sampling,
 )
 from mlxd.errors import Overloaded
 from mlxd.generation.events import Event, TokenLogprob, TopLogprob
@@ -283,7 +284,7 @@ class SchedulerBase:
                 seq.error = f"sampling failed: {e}"
                 return greedy(logprobs)
 
-        return guarded
+        return tag_sampling(guarded, seq.sampling)
 
     def _fail_setup(self, seq: Sequence, error: Exception) -> None:
         """A sequence could not be started: end it alone with an error event."""

@@ -312,16 +312,8 @@ class SpeculativeBatch(GenerationBatch):
         return mx.stack([s(logprobs[e]) for e, s in enumerate(samplers)])
 
     def _rewind(self, rejected: list[int]) -> None:
-        """Drop each row's rejected positions: trim what all rows rejected, then shift rows
-        that rejected more to the right so their stale slots become left padding."""
-        common = min(rejected)
-        extra = [r - common for r in rejected]
-        for cache in self.prompt_cache:
-            if common:
-                cache.trim(common)
-            if any(extra):
-                cache.prepare(right_padding=extra)
-                cache.finalize()
+        """Drop each row's rejected positions (``rewind_rows``)."""
+        rewind_rows(self.prompt_cache, rejected)
 
     # -- the step mlx-lm's BatchGenerator calls --------------------------------
     def next(self) -> list[GenerationBatch.Response]:
@@ -357,6 +349,20 @@ class SpeculativeBatch(GenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+
+def rewind_rows(caches: list[Any], rejected: list[int]) -> None:
+    """Drop each row's last ``rejected[i]`` positions of batched KV caches: trim what all
+    rows rejected, then shift rows that rejected more to the right so their stale slots
+    become left padding."""
+    common = min(rejected)
+    extra = [r - common for r in rejected]
+    for cache in caches:
+        if common:
+            cache.trim(common)
+        if any(extra):
+            cache.prepare(right_padding=extra)
+            cache.finalize()
 
 
 def install(gen: BatchGenerator, options: SpeculativeOptions,

@@ -13,7 +13,7 @@ import asyncio
 import gc
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from mlxd.engines.base import Tokenized
 from mlxd.engines.device import weights_nbytes
+from mlxd.engines.draft import DraftModel, load_draft_model, plain_kv
 from mlxd.engines.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
 from mlxd.engines.input_processor import InputLimits, InputProcessor, PreparedPrompt
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
@@ -39,7 +40,7 @@ from mlxd.engines.scheduler import (
     Sequence,
     SerialScheduler,
 )
-from mlxd.engines.speculative import SpeculativeOptions
+from mlxd.engines.speculative import Drafter, SpeculativeOptions
 from mlxd.engines.structured import GrammarTokenizer
 from mlxd.engines.tool_parsers import tool_call_format
 from mlxd.errors import InvalidRequest, ModelLoadError
@@ -78,6 +79,7 @@ class TextEngineOptions:
     prefix_cache_dir: Path | None = None
     group: GroupOptions | None = None  # set when the model is sharded over a group
     speculative: SpeculativeOptions | None = None  # drafting in the batched scheduler
+    draft_model: Path | None = None  # its folder, for ``speculative.mode == "draft"``
 
 
 __all__ = ["MLXLanguageModel", "PreparedPrompt", "TextEngineOptions", "context_length_of"]
@@ -117,6 +119,7 @@ class MLXLanguageModel:
         self.tool_format: ToolCallFormat | None = None
         self.inputs: InputProcessor | None = None  # built at each load
         self._weights_bytes = 0
+        self.draft: Any = None  # the draft model (``--draft-model``), loaded with this one
         self._prefill_attention: PrefillAttention | None = None  # undone at close
         self.vocab_size = 0  # token ids a client may send: [0, vocab_size)
         self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
@@ -145,6 +148,7 @@ class MLXLanguageModel:
         # shares with others: checkpoint it where the system messages end.
         self.inputs.checkpoint_system = (self.options.prefix_cache_bytes > 0
                                          and not is_trimmable(probe_cache))
+        self.draft = self._load_draft(probe_cache)
         self.scheduler = self._scheduler(model, probe_cache)
         self.worker.set_stepper(self.scheduler)
         if self.prefix_cache is not None and self.options.prefix_cache_dir is not None:
@@ -158,6 +162,33 @@ class MLXLanguageModel:
 
         return cast(tuple[Any, Any, dict[str, Any]], load(
             str(self.path), return_config=True, trust_remote_code=self.options.trust_remote_code))
+
+    def _load_draft(self, probe_cache: list[Any]) -> Any:
+        """The draft model when this model drafts with one and can speculate (batched plain
+        KV caches); its weights count in this model's memory."""
+        opts = self.options
+        if opts.draft_model is None or opts.speculative is None or \
+                opts.speculative.mode != "draft":
+            return None
+        if not (opts.batching and plain_kv(probe_cache)):
+            log.warning("model %s: speculation needs batched plain KV caches; the draft "
+                        "model is not loaded", self.name)
+            return None
+        try:
+            draft = load_draft_model(opts.draft_model, self.tokenizer)
+        except Exception as e:
+            raise ModelLoadError(self.name, f"draft model {opts.draft_model}: "
+                                            f"{type(e).__name__}: {e}") from e
+        self._weights_bytes += weights_nbytes(draft)
+        return draft
+
+    def _drafter(self) -> Callable[[], Drafter] | None:
+        """A fresh draft-model drafter per batch generator, or None (prompt lookup)."""
+        draft = self.draft
+        if draft is None:
+            return None
+        vocab = min(self.vocab_size, vocab_bound(draft, {}, self.vocab_size))
+        return lambda: DraftModel(draft, vocab=vocab)
 
     def _input_processor(self, config: dict[str, Any]) -> InputProcessor:
         """This load's prompt preparation: its tokenizer, limits, parsers and grammar."""
@@ -186,7 +217,7 @@ class MLXLanguageModel:
                                      max_num_seqs=opts.max_num_seqs,
                                      prefill_step_size=opts.prefill_step_size,
                                      prefill_batch_size=prefill_batch,
-                                     speculative=opts.speculative)
+                                     speculative=opts.speculative, drafter=self._drafter())
             return BatchScheduler(
                 decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
                 max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
@@ -219,6 +250,7 @@ class MLXLanguageModel:
         self.prefix_cache = None
         self.inputs = None
         self.model = None
+        self.draft = None
         if self._prefill_attention is not None:
             self._prefill_attention.undo()
             self._prefill_attention = None

@@ -23,6 +23,7 @@ from mlxd.models.memory import (
     prefix_cache_bytes,
     read_config,
     weights_bytes_of_folder,
+    with_draft,
 )
 from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryData, RegistryFile
@@ -134,6 +135,10 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
                           context=context, kv_reserve_tokens=config.kv_reserve_tokens,
                           prefix_cache_bytes=prefix_cache_bytes(config, budget),
                           dtype_bytes=dtype_bytes, audio_seconds=config.max_audio_seconds)
+    if kind == ModelKind.TEXT and entry.draft_model:
+        est = with_draft(est, Path(entry.draft_model), min(
+            (entry.defaults.max_num_seqs or config.max_num_seqs) * context,
+            config.kv_reserve_tokens), dtype_bytes)
     if kind == ModelKind.TEXT and config.hosts:
         est = per_rank(est, len(parse_hosts(config.hosts)), prefix_cache_bytes(config, budget))
         # The group forms once per server: never unload a sharded model to reclaim memory.
@@ -188,7 +193,16 @@ def model_entry_from_cli(config: ServerConfig) -> ModelEntry:
     else:
         name = source
     return ModelEntry(name=name, source=str(path.resolve()) if path.exists() else source,
-                      trust_remote_code=config.trust_remote_code)
+                      trust_remote_code=config.trust_remote_code,
+                      draft_model=draft_source(config.draft_model))
+
+
+def draft_source(source: str | None) -> str | None:
+    """``--draft-model`` as an entry field: a local path made absolute, a hub id as is."""
+    if not source:
+        return None
+    path = Path(source).expanduser()
+    return str(path.resolve()) if path.exists() else source
 
 
 def build_catalog(config: ServerConfig) -> Catalog:
@@ -204,6 +218,9 @@ def build_catalog(config: ServerConfig) -> Catalog:
     if registry is not None:
         data = registry.load()
     entries = list(data.models)
+    if config.draft_model and not config.model:
+        raise CatalogError("--draft-model drafts for MODEL: give MODEL too (with "
+                           "--models-config, set draft_model on the entry instead)")
     if config.model:
         cli_entry = model_entry_from_cli(config)
         entries = [e for e in entries if e.name != cli_entry.name] + [cli_entry]

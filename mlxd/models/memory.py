@@ -176,6 +176,18 @@ def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None
     return MemoryEstimate(weights, max(MIN_ACTIVATION_RESERVE, int(weights * frac)))
 
 
+def with_draft(est: MemoryEstimate, draft: Path, kv_tokens: int,
+               dtype_bytes: int = 4) -> MemoryEstimate:
+    """A text model's estimate plus its draft model's weights and a KV reserve of the same
+    tokens (the draft caches every running sequence too). A draft not on disk yet (a hub
+    id) adds nothing here; the measured figure replaces the weights after the load."""
+    if not draft.is_dir():
+        return est
+    config = read_config(draft) if (draft / "config.json").is_file() else {}
+    return MemoryEstimate(est.weights + weights_bytes_of_folder(draft),
+                          est.reserve + kv_bytes_per_token(config, dtype_bytes) * kv_tokens)
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     return read_json_object(Path(folder) / "config.json")
 

@@ -103,6 +103,7 @@ class ModelEntry(BaseModel):
     trust_remote_code: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    draft_model: str | None = None  # a text model's draft model (source), --draft-model
     sha256: str | None = None
     qualification: dict[str, Any] | None = None
     description: str | None = None
