@@ -125,6 +125,22 @@ class PrefixCache:
         self.hits += 1
         return cache, n_cached
 
+    def peek(self, tokens: list[int], namespace: str | None = None) -> int:
+        """How many of ``tokens`` a ``fetch`` would cover now, without copying a state
+        (an exact or trimmable match may count the last token too)."""
+        if self.max_bytes <= 0:
+            return 0
+        with self._lock:
+            found = self._cache._trie.search(namespace or self._text_namespace, tokens)
+            if found.exact is not None:
+                return len(tokens)
+            shorter = len(found.shorter) if found.shorter is not None else 0
+            if found.longer is not None and found.common_prefix > shorter:
+                entry = self._cache._trie.get(found.model, found.longer)
+                if can_trim_prompt_cache(entry.prompt_cache):
+                    return int(found.common_prefix)
+            return shorter
+
     def insert(self, tokens: list[int], cache: list[Any], namespace: str | None = None) -> None:
         """Cache ``cache``, the KV state of ``tokens``, under ``namespace``."""
         if self.max_bytes <= 0 or not tokens:

@@ -42,6 +42,7 @@ from mlxd.engines.sampling import (
     heal_random_state,
     tag_sampling,
 )
+from mlxd.engines.shared_prefix import track_prefill, waits_for_peer
 from mlxd.errors import Overloaded
 from mlxd.generation.events import Event, TokenLogprob, TopLogprob
 from mlxd.generation.params import SamplingParams
@@ -115,6 +116,8 @@ class Sequence:
     uid: int = -1
     error: str | None = None
     cache_key: str | None = None  # prefix-cache namespace, set on admission
+    n_cached: int = 0  # prompt tokens resumed from the prefix cache, set on admission
+    prefilled: int = 0  # prompt tokens in its cache so far (shared_prefix.py)
     submitted_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -192,6 +195,12 @@ class SchedulerBase:
                 cancelled.discard(seq.seq_id)
                 self._finish_unstarted(seq)
             return admitted, cancelled
+
+    def _requeue(self, seqs: list[Sequence]) -> None:
+        """Put taken sequences back at the head of the queue, in order."""
+        if seqs:
+            with self._lock:
+                self._waiting.extendleft(reversed(seqs))
 
     def _finish_unstarted(self, seq: Sequence) -> None:
         self._emit(seq, seq.pipeline.finish("cancelled"))
@@ -328,10 +337,13 @@ class BatchScheduler(SchedulerBase):
 
     def __init__(self, decoder: Decoder, tokenizer: Any, *, max_num_seqs: int, max_queue: int,
                  prefill_step_size: int, prefix_cache: PrefixCache | None,
-                 wake: Callable[[], None], checkpoint_before_last: bool = False) -> None:
+                 wake: Callable[[], None], checkpoint_before_last: bool = False,
+                 share_prefills: bool = False) -> None:
         super().__init__(tokenizer, max_num_seqs=max_num_seqs, max_queue=max_queue,
                          prefix_cache=prefix_cache, wake=wake)
         self.decoder = decoder
+        # a prompt waits for a running prefill of the prefix it shares (shared_prefix.py)
+        self.share_prefills = share_prefills
         self.prefill_step_size = prefill_step_size
         # Untrimmable (recurrent) states are checkpointed before the prompt's last token:
         # it often re-tokenizes with the answer that follows it in the next turn's prompt.
@@ -364,11 +376,17 @@ class BatchScheduler(SchedulerBase):
         admitted, cancelled = self._take(self.max_num_seqs - len(self.running))
         if cancelled:
             self._remove([s for s in self.running.values() if s.seq_id in cancelled], "cancelled")
+        held = []
         for seq in admitted:
+            if self.share_prefills and waits_for_peer(
+                    seq, self.running.values(), self.prefix_cache, self.checkpoint_before_last):
+                held.append(seq)
+                continue
             try:
                 self._admit(seq)
             except Exception as e:  # one request's setup must never strand the others
                 self._fail_setup(seq, e)
+        self._requeue(held)
         if not self.running:
             return
         decoding = any(s.pipeline.completion_tokens for s in self.running.values())
@@ -379,6 +397,7 @@ class BatchScheduler(SchedulerBase):
         self._observe(stats)
         self.steps += 1
         self.batch_sizes[min(len(self.running), self.max_num_seqs)] += 1
+        track_prefill(prompt_responses, self.running)
         self._cache_finished_prompts(prompt_responses)
         self._decoder_cached_tokens(prompt_responses)
         for r in responses:
@@ -437,6 +456,7 @@ class BatchScheduler(SchedulerBase):
             seq.cache_key = self.prefix_cache.namespace(prompt.media_hashes, prompt.cache_salt)
             cache, n_cached = self.prefix_cache.fetch(prompt.tokens, seq.cache_key)
         seq.pipeline.set_cached_tokens(n_cached)
+        seq.n_cached = seq.prefilled = n_cached
         seq.admitted()
         uid = self.decoder.insert(
             prompt, n_cached, cache, self._guarded_sampler(seq), self._guarded_processors(seq),

@@ -222,7 +222,7 @@ class MLXLanguageModel:
                 decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
                 max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
                 prefix_cache=self.prefix_cache, wake=self.worker.wake,
-                checkpoint_before_last=not is_trimmable(probe_cache))
+                checkpoint_before_last=not is_trimmable(probe_cache), share_prefills=True)
         return SerialScheduler(
             LMSerialDecoder(model, prefill_step_size=opts.prefill_step_size), self.tokenizer,
             max_queue=opts.max_queue, wake=self.worker.wake, prefix_cache=self.prefix_cache)
