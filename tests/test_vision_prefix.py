@@ -1,7 +1,8 @@
 """Prefix reuse for vision prompts (issue 11): turn 2 of a conversation about the same
 image resumes from turn 1's KV state (mlx-vlm's prefix cache salted with mlxd's namespace:
 model, media hashes, cache salt), reports it as ``cached_tokens``, and answers exactly as a
-cold run with the prefix cache off; a different image with the same text reuses nothing."""
+cold run with the prefix cache off; turn 2 resumes after turn 1's answer too (its KV is
+stored when it finishes); a different image with the same text reuses nothing."""
 
 from __future__ import annotations
 
@@ -107,3 +108,31 @@ def test_a_different_image_with_the_same_text_reuses_nothing(
     answer, _, cached = chat(on, other)
     assert cached == 0
     assert answer == chat(off, other)[0]
+
+
+def test_turn_two_resumes_after_turn_ones_answer(
+        servers: tuple[RunningServer, RunningServer]) -> None:
+    """The answer's KV state is stored when it finishes, so turn 2 prefills only what
+    follows the answer; greedy tokens and top-5 log-probabilities stay a cold run's."""
+    on, off = servers
+    first = turn_one(png((200, 200, 40)))
+    answer, prompt1, completion1 = chat_answer(on, first, max_tokens=24)
+    second = [*first, {"role": "assistant", "content": answer},
+              {"role": "user", "content": "And what shape is it, in one word?"}]
+    warm_answer, _, cached2, warm_top = chat_logprobs(on, second)
+    assert cached2 > prompt1, (cached2, prompt1, completion1)  # past turn 1's prompt
+    cold_answer, _, _, cold_top = chat_logprobs(off, second)
+    assert warm_answer == cold_answer
+    assert warm_top == pytest.approx(cold_top, abs=1e-4)
+
+
+def chat_answer(srv: RunningServer, messages: list[dict[str, Any]],
+                max_tokens: int) -> tuple[str, int, int]:
+    """(answer, prompt tokens, completion tokens) of one greedy request."""
+    import openai
+
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+    r = client.chat.completions.create(model=FAMILY, messages=messages,  # type: ignore[arg-type]
+                                       max_tokens=max_tokens, temperature=0)
+    assert r.usage is not None
+    return str(r.choices[0].message.content), r.usage.prompt_tokens, r.usage.completion_tokens

@@ -19,7 +19,9 @@ cache (``mlx_vlm.apc``): the generator keeps the KV blocks of prefilled prompts
 and resumes a prompt from the longest stored prefix. Its hash chain is salted
 per request with ``namespace(prompt)`` (model identity, media hashes and cache
 salt), so blocks are only shared between prompts with the same images; its
-memory is bounded by ``prefix_cache_bytes`` and counted in ``cache_nbytes``.
+memory is bounded by ``prefix_cache_bytes`` and counted in ``cache_nbytes``. A row
+leaving the generation batch stores its answer's blocks as well
+(``engines/vlm_turns.py``), so turn 2 resumes after turn 1's answer, not before it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from mlxd.engines.decoder import (
 )
 from mlxd.engines.input_processor import PreparedPrompt
 from mlxd.engines.sampling import greedy
+from mlxd.engines.vlm_turns import AnswerKeeper
 
 EmbedFn = Callable[[PreparedPrompt], dict[str, Any]]
 NamespaceFn = Callable[[PreparedPrompt], int]
@@ -113,8 +116,16 @@ def _generator_class() -> type:
     from mlx_vlm.generate import BatchGenerator
 
     class MediaKeyedGenerator(BatchGenerator):  # type: ignore[misc]
+        answers: AnswerKeeper | None = None  # set per instance by the decoder
+
         def _apc_prefix_has_media_tokens(self, ids_list: list[int], prefix_len: int) -> bool:
             return False
+
+        def _extend_generation_batch(self, gen_batch: Any) -> None:
+            super()._extend_generation_batch(gen_batch)
+            # Rows leaving the batch store their answer's KV too (engines/vlm_turns.py).
+            if self.answers is not None:
+                self.answers.watch(self._generation_batch, self.apc_manager)
 
     return MediaKeyedGenerator
 
@@ -136,6 +147,7 @@ class VLMBatchDecoder:
         self._namespace = namespace if prefix_cache_bytes > 0 else None
         self._prefix_bytes = prefix_cache_bytes
         self._apc: Any = None
+        self.answers = AnswerKeeper()
         self._gen = self._new_generator()
 
     def _new_apc(self) -> Any:
@@ -150,12 +162,15 @@ class VLMBatchDecoder:
     def _new_generator(self) -> Any:
         self._rows.clear()
         self._apc = self._new_apc()
-        return _generator_class()(
+        self.answers.rows.clear()
+        gen = _generator_class()(
             self.model.language_model, self.processor, max_tokens=1,
             stop_tokens=set(self._eos), completion_batch_size=self._max_num_seqs,
             prefill_batch_size=self._max_num_seqs, prefill_step_size=self._prefill_step_size,
             compute_logprobs=False, stream=mx.default_stream(mx.default_device()),
             apc_manager=self._apc)
+        gen.answers = self.answers
+        return gen
 
     # -- the Decoder interface -------------------------------------------------
     def insert(self, prompt: PreparedPrompt, n_cached: int, cache: list[Any] | None,
@@ -171,6 +186,8 @@ class VLMBatchDecoder:
         (uid,) = self._gen.insert([list(prompt.tokens)], max_tokens=[max_tokens],
                                   prompt_kwargs=[kwargs], logits_processors=[proc])
         self._rows[int(uid)] = row
+        if self._namespace is not None:  # the row's tokens grow as it decodes
+            self.answers.track(int(uid), row.tokens, int(kwargs["_apc_semantic_hash"]))
         return int(uid)
 
     def next(self) -> tuple[list[PromptProgress], list[TokenResponse]]:
@@ -226,6 +243,7 @@ class VLMBatchDecoder:
         for uid in uids:
             self._gen.remove(uid)
             self._rows.pop(uid, None)
+            self.answers.forget(uid)  # removed before it decoded: nothing stored
         return {}
 
     def extract_cache(self, uids: list[int]) -> dict[int, CacheAndTokens]:
