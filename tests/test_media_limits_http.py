@@ -109,6 +109,16 @@ def test_responses_input_image_limits_before_any_load(srv: RunningServer) -> Non
     never_loaded(srv)
 
 
+def test_tokenize_applies_the_media_limits_before_any_load(srv: RunningServer) -> None:
+    """/tokenize counts a vision model's image tokens through its processor, so its images
+    are checked like a chat's first: 3 images over the limit of 2 is a 400, nothing loads."""
+    content = [{"type": "text", "text": "describe"}, *[image_part(data_url(png()))] * 3]
+    r = httpx.post(f"{srv.url}/tokenize", timeout=30,
+                   json={"model": "vl", "messages": [{"role": "user", "content": content}]})
+    assert_openai_error(r, 400, "3 images; the limit is 2", param=f"{P1[:-3]}[3].image_url")
+    never_loaded(srv)
+
+
 @pytest.fixture
 def site() -> Iterator[MediaSite]:
     s = MediaSite()

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from mlxd.models.spec import ModelEntry
@@ -154,3 +155,23 @@ def test_anthropic_and_responses_images_get_the_same_answer(vlm_server: RunningS
                                       "text": "What colour is this image?"}]}])
     assert msg.content[0].text == chat  # type: ignore[union-attr]
     assert resp.output_text == chat
+
+
+def test_tokenize_counts_an_images_tokens_like_a_chat(vlm_server: RunningServer) -> None:
+    """/tokenize on a vision model expands the image through the model's processor: its
+    count is the prompt_tokens a chat completion reports, and the image adds tokens."""
+    import openai
+
+    def count(messages: list[dict[str, Any]]) -> int:
+        r = httpx.post(f"{vlm_server.url}/tokenize", timeout=60,
+                       json={"model": "qwen2_vl", "messages": messages})
+        assert r.status_code == 200, r.text
+        return int(r.json()["count"])
+
+    client = openai.OpenAI(base_url=vlm_server.url + "/v1", api_key="x")
+    messages = image_message(png((200, 30, 30), (96, 64)))
+    usage = client.chat.completions.create(model="qwen2_vl", messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=1, temperature=0).usage
+    text_only = [{"role": "user", "content": "What colour is this image?"}]
+    assert usage is not None and count(messages) == usage.prompt_tokens
+    assert count(messages) > count(text_only) + 2  # vision markers and image pads

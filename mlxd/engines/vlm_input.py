@@ -82,10 +82,10 @@ class VisionInputProcessor(InputProcessor):
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         """The base preparation, then the processor's expansion of the media placeholders."""
         base = super().prepare(request)
-        images, videos = _decoded_media(request.messages or [])
+        images, videos, fps = _decoded_media(request.messages or [])
         if not images and not videos:
             return base
-        arrays = self._process(base.prompt_text, images, videos)
+        arrays = self._process(base.prompt_text, images, videos, fps)
         tokens = [int(t) for t in arrays.pop("input_ids")[0].tolist()]
         arrays.pop("attention_mask", None)
         max_tokens = self._check_limits(len(tokens), request.max_tokens)
@@ -93,13 +93,35 @@ class VisionInputProcessor(InputProcessor):
         values.update(tokens=tokens, max_tokens=max_tokens)
         return VisionPrompt(**values, arrays=arrays)
 
-    def _process(self, text: str, images: list[Any], videos: list[Any]) -> dict[str, np.ndarray]:
-        """Run the model's processor on one prompt (never batched: gemma3's refuses that)."""
+    def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> list[int]:
+        """The base tokenisation; a chat with images or videos is expanded by the model's
+        processor as ``prepare`` expands it, so the count equals a chat's prompt tokens.
+        The media were resolved and checked against the limits before this runs."""
+        tokens = super().tokenize(request, add_special_tokens)
+        images, videos, fps = _decoded_media(request.messages or [])
+        if not images and not videos:
+            return tokens
+        text, _, _ = self._render_chat(request)
+        arrays = self._process(text, images, videos, fps)
+        tokens = [int(t) for t in arrays["input_ids"][0].tolist()]
+        if len(tokens) >= self.limits.context_length:
+            raise self._too_long(f"your prompt has {len(tokens)} tokens", "messages")
+        return tokens
+
+    def _process(self, text: str, images: list[Any], videos: list[Any],
+                 fps: list[float] | None = None) -> dict[str, np.ndarray]:
+        """Run the model's processor on one prompt (never batched: gemma3's refuses that).
+
+        ``fps`` is the rate each video's frames were sampled at: the processor places
+        frames in time with it (qwen2.5-vl's ``second_per_grid_ts``); without it mlx-vlm
+        assumes its default rate."""
         from mlx_vlm.utils import prepare_inputs
 
+        extra: dict[str, Any] = {"fps": list(fps)} if videos and fps else {}
         try:
             out = prepare_inputs(self.processor, images=images or None, videos=videos or None,
-                                 prompts=text, return_tensors="np", **self.prepare_kwargs)
+                                 prompts=text, return_tensors="np", **self.prepare_kwargs,
+                                 **extra)
         except (ValueError, TypeError, OSError) as e:
             raise InvalidRequest(f"The model's processor could not read the media: {e}",
                                  param="messages") from e
@@ -122,16 +144,19 @@ def resolved_media(messages: list[dict[str, Any]]) -> Iterator[ImageInput | Vide
                 yield video
 
 
-def _decoded_media(messages: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
-    """PIL images and frame lists of the resolved parts, in prompt order."""
+def _decoded_media(messages: list[dict[str, Any]]
+                   ) -> tuple[list[Any], list[Any], list[float]]:
+    """PIL images, frame lists and each video's sampled fps, in prompt order."""
     images: list[Any] = []
     videos: list[Any] = []
+    fps: list[float] = []
     for item in resolved_media(messages):
         if isinstance(item, ImageInput):
             images.append(decode_image(item))
         else:
             videos.append([np.asarray(f) for f in item.frames])
-    return images, videos
+            fps.append(float(item.fps))
+    return images, videos, fps
 
 
 def decode_image(image: ImageInput) -> Any:

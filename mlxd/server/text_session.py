@@ -109,7 +109,7 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def _resolve_media(ctx: ServerContext, model: str, request: GenerationRequest,
+async def resolve_request_media(ctx: ServerContext, model: str, request: GenerationRequest,
                          family: Family[TextGenerator], endpoint: str) -> None:
     """A vision model's images and videos, fetched, checked and probed before it is leased
     (the limits refuse before any load). A text model's media parts are left for its
@@ -153,7 +153,7 @@ class TextSession:
                    endpoint: str, family: Family[TextGenerator] = CHAT) -> TextSession:
         if n > ctx.config.max_n:
             raise InvalidRequest(f"n must be at most {ctx.config.max_n}", param="n")
-        await _resolve_media(ctx, model, request, family, endpoint)
+        await resolve_request_media(ctx, model, request, family, endpoint)
         lease = await ctx.manager.acquire(model, family, endpoint)
         try:
             prepared = await lease.engine.prepare(request)

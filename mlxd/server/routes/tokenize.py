@@ -31,6 +31,7 @@ from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import tool_choice, tool_specs
 from mlxd.server.routes.chat import canonical_messages
+from mlxd.server.text_session import resolve_request_media
 
 router = APIRouter(route_class=StrictJSONRoute)
 TOKENIZE, DETOKENIZE, TOKENIZER_INFO = "/tokenize", "/detokenize", "/tokenizer_info"
@@ -71,6 +72,9 @@ async def tokenize(req: TokenizeRequest,
     """A prompt's or chat's token ids and count, and the model's context length."""
     model = model_name(ctx, req.model, TOKENIZE)
     gen = tokenize_request(ctx, model, req)
+    # A vision model's images are fetched and checked against the media limits before
+    # the lease, as for a chat; its processor then counts their tokens.
+    await resolve_request_media(ctx, model, gen, CHAT, TOKENIZE)
     special = req.add_special_tokens
     if special is None:  # vLLM's defaults: the chat template adds a chat's special tokens
         special = req.prompt is not None
