@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +42,22 @@ def _copy_prompt(source: str) -> str:
             f"```python\n{source}```")
 
 
-def workloads(quick: bool) -> list[Workload]:
-    """A copy-heavy answer (a stdlib function to repeat), plain chat, and both in one batch."""
-    import json as json_mod
-    import textwrap
+def _source(func: Any) -> str:
+    """A function's source without its docstring (a small model copies code, not prose)."""
+    text = textwrap.dedent(inspect.getsource(func))
+    return re.sub(r'\n\s*"""[\s\S]*?"""', "", text, count=1)
 
-    func = textwrap.dedent(inspect.getsource(json_mod.dumps)).split('"""')
-    code = func[0] + func[-1].lstrip("\n") if len(func) >= 3 else "".join(func)
+
+def workloads(quick: bool) -> list[Workload]:
+    """A copy-heavy answer (small stdlib functions to repeat), plain chat, and both in one
+    batch. The functions are ones SmolLM2-135M repeats nearly verbatim: with a long
+    signature such as ``json.dumps``'s it changes defaults and then loops, so its answer
+    stops being a copy after ~40 tokens and measures the model, not the drafting."""
+    import shlex
+    import string
+
+    code = "\n\n".join(_source(f) for f in (shlex.quote, shlex.join, textwrap.indent,
+                                               string.capwords))
     chat = "Write a short story about a robot who learns to paint, in about 150 words."
     n = 96 if quick else 192
     return [Workload("copy-heavy answer, 1 stream", [_copy_prompt(code)], n),
@@ -55,7 +66,7 @@ def workloads(quick: bool) -> list[Workload]:
 
 
 def _decode(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int,
-            spec: bool) -> dict[str, Any]:
+            spec: bool, num_draft_tokens: int) -> dict[str, Any]:
     from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
     from mlxd.engines.sampling import greedy
     from mlxd.engines.speculative import SpeculativeOptions
@@ -63,7 +74,8 @@ def _decode(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int,
     eos = sorted(tok.eos_token_ids)
     decoder = LMBatchDecoder(model, eos_ids=eos, max_num_seqs=8, prefill_step_size=2048,
                              speculative=SpeculativeOptions(
-                                 mode="prompt-lookup" if spec else "off"))
+                                 mode="prompt-lookup" if spec else "off",
+                                 num_draft_tokens=num_draft_tokens))
     owner = {decoder.insert(SimpleNamespace(tokens=p), 0, None, greedy, [], set(eos),  # type: ignore[arg-type]
                             max_tokens): i for i, p in enumerate(prompts)}
     out: list[list[int]] = [[] for _ in prompts]
@@ -96,7 +108,7 @@ def forward_cost(model: Any, context: int = 512, reps: int = 3) -> list[dict[str
         caches = [BatchKVCache([0] * batch) for _ in model.layers]
         model(mx.array([[(i * 7) % 900 + 10 for i in range(context)]] * batch), cache=caches)
         mx.eval([c.state for c in caches])
-        for n in (1, 3, 5):
+        for n in (1, 3, 5, 9, 17):
             inputs = mx.array([[11] * n] * batch)
             times = []
             for _ in range(reps + 1):
@@ -109,44 +121,70 @@ def forward_cost(model: Any, context: int = 512, reps: int = 3) -> list[dict[str
     return rows
 
 
-def run(folder: Path, quick: bool) -> dict[str, Any]:
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def compare(model: Any, tok: Any, w: Workload, repeats: int, k: int) -> dict[str, Any]:
+    """Off, then on, ``repeats`` times in turn: each ratio compares two runs seconds apart."""
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}],
+                                       add_generation_prompt=True) for p in w.prompts]
+    pairs = [(_decode(model, tok, prompts, w.max_tokens, False, k),
+              _decode(model, tok, prompts, w.max_tokens, True, k)) for _ in range(repeats)]
+    ratios = [on["tok_s"] / off["tok_s"] for off, on in pairs if off["tok_s"]]
+    off, on = pairs[-1]
+    drafted = on["accepted"] + on["rejected"]
+    return {"workload": w.name, "streams": len(prompts), "max_tokens": w.max_tokens,
+            "num_draft_tokens": k,
+            "off_tok_s": round(_median([o["tok_s"] for o, _ in pairs]), 2),
+            "on_tok_s": round(_median([o["tok_s"] for _, o in pairs]), 2),
+            "ratio": round(_median(ratios), 3) if ratios else None,
+            "ratios": [round(r, 3) for r in ratios],
+            "identical": all(o["tokens"] == n["tokens"] for o, n in pairs),
+            "accepted": on["accepted"], "rejected": on["rejected"],
+            "acceptance": round(on["accepted"] / drafted, 3) if drafted else None,
+            "steps_off": off["steps"], "steps_on": on["steps"]}
+
+
+def run(folder: Path, quick: bool, *, repeats: int = 1, num_draft_tokens: int | None = None,
+        only: str | None = None, with_forward_cost: bool = True) -> dict[str, Any]:
     from mlx_lm import load
 
-    model, tok = load(str(folder))
+    from mlxd.engines.speculative import SpeculativeOptions
+
+    k = num_draft_tokens or SpeculativeOptions().num_draft_tokens
+    model, tok = load(str(folder))[:2]
     results: dict[str, Any] = {"model": folder.name, "workloads": []}
     for w in workloads(quick):
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}],
-                                           add_generation_prompt=True) for p in w.prompts]
-        off = _decode(model, tok, prompts, w.max_tokens, spec=False)
-        on = _decode(model, tok, prompts, w.max_tokens, spec=True)
-        drafted = on["accepted"] + on["rejected"]
-        row = {"workload": w.name, "streams": len(prompts), "max_tokens": w.max_tokens,
-               "off_tok_s": round(off["tok_s"], 2), "on_tok_s": round(on["tok_s"], 2),
-               "ratio": round(on["tok_s"] / off["tok_s"], 3) if off["tok_s"] else None,
-               "identical": on["tokens"] == off["tokens"],
-               "accepted": on["accepted"], "rejected": on["rejected"],
-               "acceptance": round(on["accepted"] / drafted, 3) if drafted else None,
-               "steps_off": off["steps"], "steps_on": on["steps"]}
+        if only and only not in w.name:
+            continue
+        row = compare(model, tok, w, repeats, k)
         print(json.dumps(row), flush=True)
         results["workloads"].append(row)
-    results["forward_cost"] = forward_cost(model)
+    results["forward_cost"] = forward_cost(model) if with_forward_cost else []
     print(json.dumps(results["forward_cost"]), flush=True)
     return results
 
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"## Speculative decoding (prompt lookup), {results['model']}", "",
-             "| workload | streams | off tok/s | on tok/s | ratio | identical | accepted | "
-             "rejected | acceptance | steps off / on |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Ratios: on / off decode tok/s, median of the runs (each run: off, then on).", "",
+             "| workload | streams | k | off tok/s | on tok/s | ratio | runs | identical | "
+             "accepted | rejected | acceptance | steps off / on |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["workloads"]:
-        lines.append(f"| {r['workload']} | {r['streams']} | {r['off_tok_s']} | {r['on_tok_s']} | "
-                     f"{r['ratio']}x | {r['identical']} | {r['accepted']} | {r['rejected']} | "
+        runs = ", ".join(f"{x}" for x in r["ratios"])
+        lines.append(f"| {r['workload']} | {r['streams']} | {r['num_draft_tokens']} | "
+                     f"{r['off_tok_s']} | {r['on_tok_s']} | {r['ratio']}x | {runs} | "
+                     f"{r['identical']} | {r['accepted']} | {r['rejected']} | "
                      f"{r['acceptance']} | {r['steps_off']} / {r['steps_on']} |")
-    lines += ["", "Forward cost (ms, best of 3, 512-token cache):", "",
-              "| batch | new tokens per row | ms |", "|---|---|---|"]
-    lines += [f"| {c['batch']} | {c['new_tokens']} | {c['ms']:.1f} |"
-              for c in results["forward_cost"]]
+    if results["forward_cost"]:
+        lines += ["", "Forward cost (ms, best of 3, 512-token cache):", "",
+                  "| batch | new tokens per row | ms |", "|---|---|---|"]
+        lines += [f"| {c['batch']} | {c['new_tokens']} | {c['ms']:.1f} |"
+                  for c in results["forward_cost"]]
     return "\n".join(lines) + "\n"
 
 
@@ -157,12 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer output tokens")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="off/on pairs per workload (the ratio reported is their median)")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="most drafts per step (default: mlxd's --num-draft-tokens default)")
+    p.add_argument("--only", default=None, help="only workloads whose name contains this")
+    p.add_argument("--no-forward-cost", action="store_true", help="skip the forward costs")
     p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
     p.add_argument("--model", type=Path, default=None, help="an MLX folder (default SmolLM2)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = p.parse_args(argv)
     folder = args.model or smollm2_float32(args.home)
-    results = run(folder, args.quick)
+    results = run(folder, args.quick, repeats=args.repeats, num_draft_tokens=args.num_draft_tokens,
+                  only=args.only, with_forward_cost=not args.no_forward_cost)
     args.out.mkdir(parents=True, exist_ok=True)
     write_report(args.out, "speculative", results, markdown)
     return 0

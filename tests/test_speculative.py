@@ -19,7 +19,7 @@ import pytest
 
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
 from mlxd.engines.sampling import build_sampler, greedy
-from mlxd.engines.speculative import PromptLookup, SpeculativeOptions
+from mlxd.engines.speculative import PromptLookup, RowState, SpeculativeOptions
 from mlxd.engines.structured import GrammarTokenizer
 from mlxd.generation.params import SamplingParams
 
@@ -79,6 +79,43 @@ def test_prompt_lookup_drafts_what_followed_the_latest_occurrence() -> None:
     fresh = PromptLookup(tokens, 2, 3)
     fresh.sync()
     assert fresh.draft(5, 3) == [5, 5, 5]  # a run of one token drafts itself
+
+
+def test_the_match_pointer_continues_the_copy_it_started() -> None:
+    """Once a draft comes from a source, the next drafts continue that source while the
+    output equals it, even where the latest occurrence of the suffix continues otherwise;
+    the first token that differs ends the copy."""
+    prompt = [1, 2, 3, 4, 5, 6, 9, 4, 5, 7]  # (4, 5) recurs: its latest occurrence -> 7
+    tokens = [*prompt, 1]
+    lookup = PromptLookup(tokens, 2, 2)
+    lookup.sync()
+    assert lookup.draft(2, 2) == [3, 4]  # (1, 2): the copy starts at the prompt's head
+    tokens += [2, 3, 4]  # the pending token and both drafts were accepted
+    lookup.sync()
+    assert lookup.copying
+    assert lookup.draft(5, 3) == [6, 9, 4]  # the copy goes on, not (4, 5) -> 7
+    stateless = PromptLookup([*prompt, 1, 2, 3, 4], 2, 2)
+    stateless.sync()
+    assert stateless.draft(5, 1) == [7]  # what the latest occurrence alone would draft
+    tokens += [5, 8]  # the model wrote 8 where the source has 6: the copy ended
+    lookup.sync()
+    assert not lookup.copying
+    assert lookup.draft(9, 2) == []  # a dropped pointer would have read on: [4, 5]
+
+
+def test_draft_length_doubles_while_drafts_are_accepted_in_full() -> None:
+    """k doubles after each full acceptance up to the cap, falls to what was accepted plus
+    one after a partial one, and a draft rejected outright backs the row off."""
+    state = RowState(PromptLookup([], 2, 4), k=4)
+    state.update(drafted=4, accepted=4, k_max=16)
+    assert state.k == 8
+    state.update(drafted=8, accepted=8, k_max=16)
+    state.update(drafted=16, accepted=16, k_max=16)
+    assert state.k == 16
+    state.update(drafted=16, accepted=5, k_max=16)
+    assert (state.k, state.skip) == (6, 0)
+    state.update(drafted=6, accepted=0, k_max=16)
+    assert (state.k, state.skip) == (1, 1)
 
 
 def test_greedy_identical_in_mixed_batches(tiny_lm: tuple[Any, Any]) -> None:

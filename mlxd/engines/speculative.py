@@ -64,6 +64,12 @@ class PromptLookup:
     Holds a reference to the batch's token list for the sequence (prompt plus
     output, as in the KV cache) and indexes what was appended since the last
     call, so a lookup is O(1) however long the context.
+
+    Once a draft is taken from a source position, a match pointer follows that
+    source while the output keeps equal to it, and the next drafts continue
+    from there. A long copy then drafts the span it is copying, not the latest
+    occurrence of its last few tokens: in code the same short n-grams recur
+    (``=None, ``, ``self.``), and their latest occurrence is usually elsewhere.
     """
 
     def __init__(self, tokens: list[int], n_min: int, n_max: int) -> None:
@@ -71,37 +77,64 @@ class PromptLookup:
         self.n_min, self.n_max = n_min, n_max
         self._index: dict[tuple[int, ...], int] = {}
         self._indexed = 0
+        # tokens[_ptr] is the source token the next one should equal; None: no copy going
+        self._ptr: int | None = None
 
     def sync(self) -> None:
-        """Index the tokens appended since the last call."""
+        """Index the tokens appended since the last call and move the match pointer over
+        them (it is dropped at the first token that differs from its source)."""
         toks = self.tokens
+        ptr = self._ptr
+        for i in range(self._indexed, len(toks)):
+            ptr = ptr + 1 if ptr is not None and toks[ptr] == toks[i] else None
+        self._ptr = ptr
         for end in range(max(self._indexed, 1), len(toks)):
             # the n-gram ending at ``end - 1`` is followed by the token at ``end``
             for n in range(self.n_min, min(self.n_max, end) + 1):
                 self._index[tuple(toks[end - n:end])] = end
         self._indexed = max(self._indexed, len(toks))
 
+    @property
+    def copying(self) -> bool:
+        """Whether the committed tokens so far continue the source of the last draft."""
+        return self._ptr is not None
+
     def has_match(self) -> bool:
-        """Whether the committed context's own suffix occurred before (a cheap hint, no sync)."""
+        """Whether a copy is going or the committed context's own suffix occurred before
+        (a cheap hint, no device sync)."""
         toks = self.tokens
-        return any(tuple(toks[-n:]) in self._index
-                   for n in range(self.n_min, min(self.n_max, len(toks)) + 1))
+        return self._ptr is not None or any(
+            tuple(toks[-n:]) in self._index
+            for n in range(self.n_min, min(self.n_max, len(toks)) + 1))
 
     def draft(self, pending: int, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the context's
-        suffix (committed tokens + ``pending``), longest n-gram first."""
+        """Up to ``k`` tokens: the continuation of the copy going on if ``pending`` still
+        follows its source, else what followed the latest earlier occurrence of the
+        context's suffix (committed tokens + ``pending``), longest n-gram first."""
+        ptr = self._ptr
+        if ptr is not None and self.tokens[ptr] == pending:
+            return self._read(ptr + 1, pending, k)
+        start = self._lookup(pending)
+        self._ptr = None if start is None else start - 1
+        return [] if start is None else self._read(start, pending, k)
+
+    def _lookup(self, pending: int) -> int | None:
         toks = self.tokens
         for n in range(min(self.n_max, len(toks) + 1), self.n_min - 1, -1):
             pos = self._index.get((*toks[len(toks) - n + 1:], pending))
             if pos is not None:
-                draft = toks[pos:pos + k]
-                if len(draft) < k:  # the match runs into the present: a repeating
-                    ext = [*toks, pending, *draft]  # pattern, continued with its drafts
-                    while len(draft) < k:
-                        draft.append(ext[pos + len(draft)])
-                        ext.append(draft[-1])
-                return draft
-        return []
+                return pos
+        return None
+
+    def _read(self, start: int, pending: int, k: int) -> list[int]:
+        toks = self.tokens
+        draft = toks[start:start + k]
+        if len(draft) < k:  # the source runs into the present: a repeating
+            ext = [*toks, pending, *draft]  # pattern, continued with its drafts
+            while len(draft) < k:
+                draft.append(ext[start + len(draft)])
+                ext.append(draft[-1])
+        return draft
 
 
 @dataclass
@@ -121,10 +154,11 @@ class RowState:
         return self.lookup.has_match()
 
     def update(self, drafted: int, accepted: int, k_max: int) -> None:
-        """Adapt the draft length: grow after a full acceptance, shrink to what was accepted
-        plus one, and back off exponentially while drafts keep failing."""
+        """Adapt the draft length: double after a full acceptance (a copy going on accepts
+        long runs), shrink to what was accepted plus one, and back off exponentially while
+        drafts keep failing."""
         if accepted == drafted:
-            self.k = min(k_max, self.k + 1)
+            self.k = min(k_max, 2 * self.k)
         else:
             self.k = max(1, accepted + 1)
         if accepted == 0:
