@@ -200,11 +200,14 @@ def run_audio_stt(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_speculative(args: argparse.Namespace) -> dict[str, Any]:
-    """``bench/speculative.py``: prompt lookup vs none, in-process (``speculative.md``)."""
-    from bench import speculative
+    """``bench/speculative.py``: prompt lookup vs none, in-process (``speculative.md``);
+    then ``bench/speculative_draft.py``: a draft model vs none (``speculative_draft.md``)."""
+    from bench import speculative, speculative_draft
 
     argv = ["--home", str(args.home), "--out", str(args.out)]
-    return {"exit_code": speculative.main([*argv, "--quick"] if args.quick else argv)}
+    argv = [*argv, "--quick"] if args.quick else argv
+    return {"exit_code": speculative.main(argv),
+            "draft_exit_code": speculative_draft.main(argv)}
 
 
 def plot_series(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -239,7 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-vision", action="store_true",
                    help="skip the vision benchmark (bench/vision.py)")
     p.add_argument("--no-speculative", action="store_true",
-                   help="skip the speculative decoding benchmark (bench/speculative.py)")
+                   help="skip the speculative decoding benchmarks (bench/speculative.py, "
+                        "bench/speculative_draft.py)")
     p.add_argument("--no-tts", action="store_true",
                    help="skip the text-to-speech benchmark (bench/audio_tts.py)")
     p.add_argument("--no-stt", action="store_true",

@@ -66,16 +66,23 @@ def workloads(quick: bool) -> list[Workload]:
 
 
 def _decode(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int,
-            spec: bool, num_draft_tokens: int) -> dict[str, Any]:
+            spec: bool, num_draft_tokens: int, draft: Any = None) -> dict[str, Any]:
+    """Greedy decode of ``prompts``; ``spec`` drafts by prompt lookup, or with the draft
+    model ``draft`` when one is given (``bench/speculative_draft.py``)."""
+    from mlxd.engines.draft import DraftModel
     from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
+    from mlxd.engines.prompt_limits import vocab_bound
     from mlxd.engines.sampling import greedy
     from mlxd.engines.speculative import SpeculativeOptions
 
     eos = sorted(tok.eos_token_ids)
+    mode = "off" if not spec else "draft" if draft is not None else "prompt-lookup"
+    vocab = vocab_bound(model, {}, len(tok))
     decoder = LMBatchDecoder(model, eos_ids=eos, max_num_seqs=8, prefill_step_size=2048,
                              speculative=SpeculativeOptions(
-                                 mode="prompt-lookup" if spec else "off",
-                                 num_draft_tokens=num_draft_tokens))
+                                 mode=mode, num_draft_tokens=num_draft_tokens),
+                             drafter=(lambda: DraftModel(draft, vocab=vocab))
+                             if mode == "draft" else None)
     owner = {decoder.insert(SimpleNamespace(tokens=p), 0, None, greedy, [], set(eos),  # type: ignore[arg-type]
                             max_tokens): i for i, p in enumerate(prompts)}
     out: list[list[int]] = [[] for _ in prompts]
@@ -127,12 +134,15 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def compare(model: Any, tok: Any, w: Workload, repeats: int, k: int) -> dict[str, Any]:
-    """Off, then on, ``repeats`` times in turn: each ratio compares two runs seconds apart."""
+def compare(model: Any, tok: Any, w: Workload, repeats: int, k: int,
+            draft: Any = None) -> dict[str, Any]:
+    """Off, then on, ``repeats`` times in turn: each ratio compares two runs seconds apart
+    (on: prompt lookup, or the draft model ``draft``)."""
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}],
                                        add_generation_prompt=True) for p in w.prompts]
     pairs = [(_decode(model, tok, prompts, w.max_tokens, False, k),
-              _decode(model, tok, prompts, w.max_tokens, True, k)) for _ in range(repeats)]
+              _decode(model, tok, prompts, w.max_tokens, True, k, draft))
+             for _ in range(repeats)]
     ratios = [on["tok_s"] / off["tok_s"] for off, on in pairs if off["tok_s"]]
     off, on = pairs[-1]
     drafted = on["accepted"] + on["rejected"]
