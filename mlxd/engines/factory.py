@@ -68,10 +68,11 @@ class EngineFactory:
 
     def draft_path(self, entry: ModelEntry) -> Path | None:
         """The entry's draft model as a local folder (downloaded or converted if needed),
-        when it will draft (``--speculative`` auto or draft)."""
-        if not entry.draft_model or self.config.speculative not in ("auto", "draft"):
+        when it will draft (``--speculative`` auto or draft; not sharded over --hosts)."""
+        cfg = self.config
+        if not entry.draft_model or cfg.speculative not in ("auto", "draft") or cfg.hosts:
             return None
-        return resolve_source(entry.draft_model, home=self.config.home, dtype=float_dtype(),
+        return resolve_source(entry.draft_model, home=cfg.home, dtype=float_dtype(),
                               name=f"{entry.name} (draft model)")
 
     def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
