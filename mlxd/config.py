@@ -78,8 +78,9 @@ class ServerConfig(BaseSettings):
     draft_model: str | None = Field(None, description=(
         "a small model with MODEL's tokenizer (folder, GGUF or HF id) that drafts tokens for "
         "MODEL to verify; loaded and unloaded with it, inside its memory estimate"))
-    num_draft_tokens: int = Field(4, ge=1, le=16, description=(
-        "most tokens one sequence drafts per step (adapted to its acceptance)"))
+    num_draft_tokens: int = Field(8, ge=1, le=16, description=(
+        "most tokens one sequence drafts per step (it starts at 4 and doubles while its "
+        "drafts are accepted in full)"))
 
     # Memory management
     memory_budget: str | None = None

@@ -70,7 +70,7 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                               "tokens for MODEL (folder, GGUF or HF id)"}),
     ("--num-draft-tokens", "num_draft_tokens", {"type": int,
                                                 "help": "most draft tokens per sequence and "
-                                                        "step (default 4)"}),
+                                                        "step (default 8)"}),
     ("--reasoning-parser", "reasoning_parser", {"help": "think | qwen3 | deepseek_r1 | ... | none"}),
     ("--tool-call-parser", "tool_call_parser", {"help": "hermes | llama3_json | mistral | ..."}),
     ("--max-body-bytes", "max_body_bytes", {"type": int}),

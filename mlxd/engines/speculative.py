@@ -35,6 +35,10 @@ from mlx_lm.models.cache import BatchKVCache
 MODES = ("auto", "prompt-lookup", "draft", "off")
 # Consecutive failed drafts back a sequence off for 2**fails - 1 steps, at most this many.
 MAX_BACKOFF_STEPS = 32
+# A sequence's first draft length; it doubles while drafts are accepted in full, up to
+# ``num_draft_tokens``: a long copy verifies up to that many per forward, while text with
+# little to copy never pays for a long rejected draft first.
+FIRST_DRAFT_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class SpeculativeOptions:
     """How the batched scheduler speculates (from ``--speculative`` and friends)."""
 
     mode: str = "auto"  # auto: prompt lookup on a GPU, off on CPU (see ``enabled``)
-    num_draft_tokens: int = 4  # most tokens one sequence drafts per step
+    num_draft_tokens: int = 8  # most tokens one sequence drafts per step
     max_verify_tokens: int = 32  # cap on batch x (1 + drafts) per forward
     ngram_min: int = 2
     ngram_max: int = 4
@@ -225,7 +229,7 @@ class SpeculativeBatch(GenerationBatch):
         if state is None or state.lookup.tokens is not self.tokens[i]:
             opts = self.options
             state = RowState(PromptLookup(self.tokens[i], opts.ngram_min, opts.ngram_max),
-                             k=opts.num_draft_tokens)
+                             k=min(FIRST_DRAFT_TOKENS, opts.num_draft_tokens))
             self._rows[uid] = state
         return state
 
