@@ -57,6 +57,13 @@ def turn_one(url: str) -> list[dict[str, Any]]:
                                          {"type": "text", "text": "What colour is this?"}]}]
 
 
+def tower_runs(srv: RunningServer) -> int:
+    """How many prompts' images went through the vision tower, as /v1/models shows."""
+    with srv.client() as http:
+        card = http.get(f"/v1/models/{FAMILY}").json()
+    return int(card["vision_tower_runs"])
+
+
 def chat(srv: RunningServer, messages: list[dict[str, Any]]) -> tuple[str, int, int]:
     """(answer, prompt tokens, cached tokens) of one greedy request."""
     answer, prompt, cached, _ = chat_logprobs(srv, messages)
@@ -89,9 +96,11 @@ def test_turn_two_on_the_same_image_resumes_turn_ones_kv_state(
     first = turn_one(url)
     answer, prompt1, cached1 = chat(on, first)
     assert cached1 == 0  # nothing stored yet
+    runs = tower_runs(on)
     second = [*first, {"role": "assistant", "content": answer},
               {"role": "user", "content": "And what shape is it, in one word?"}]
     warm_answer, prompt2, cached2, warm_top = chat_logprobs(on, second)
+    assert tower_runs(on) == runs  # turn 2 takes the image's features from the cache
     assert prompt2 > prompt1
     assert cached2 >= prompt1 // 2, (cached2, prompt1)  # most of turn 1's prompt, image included
     cold_answer, _, cold_cached, cold_top = chat_logprobs(off, second)
@@ -104,26 +113,35 @@ def test_a_different_image_with_the_same_text_reuses_nothing(
         servers: tuple[RunningServer, RunningServer]) -> None:
     on, off = servers
     chat(on, turn_one(png((30, 200, 40))))
+    runs = tower_runs(on)
     other = turn_one(png((30, 50, 220)))  # same size, same text: only the pixels differ
     answer, _, cached = chat(on, other)
     assert cached == 0
+    assert tower_runs(on) == runs + 1  # a new image is encoded
     assert answer == chat(off, other)[0]
 
 
 def test_turn_two_resumes_after_turn_ones_answer(
         servers: tuple[RunningServer, RunningServer]) -> None:
     """The answer's KV state is stored when it finishes, so turn 2 prefills only what
-    follows the answer; greedy tokens and top-5 log-probabilities stay a cold run's."""
+    follows the answer; greedy tokens and top-5 log-probabilities stay a cold run's. The
+    two turn-1 requests run batched, with prompts of different lengths (one row of the
+    batch cache is left-padded), so each row's own state must be the one stored."""
+    from concurrent.futures import ThreadPoolExecutor
+
     on, off = servers
-    first = turn_one(png((200, 200, 40)))
-    answer, prompt1, completion1 = chat_answer(on, first, max_tokens=24)
-    second = [*first, {"role": "assistant", "content": answer},
-              {"role": "user", "content": "And what shape is it, in one word?"}]
-    warm_answer, _, cached2, warm_top = chat_logprobs(on, second)
-    assert cached2 > prompt1, (cached2, prompt1, completion1)  # past turn 1's prompt
-    cold_answer, _, _, cold_top = chat_logprobs(off, second)
-    assert warm_answer == cold_answer
-    assert warm_top == pytest.approx(cold_top, abs=1e-4)
+    firsts = [turn_one(png((200, 200, 40))), turn_one(png((90, 20, 160)))]
+    firsts[1][0]["content"] += " Be brief, and name only the main colour."
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda m: chat_answer(on, m, max_tokens=24), firsts))
+    for first, (answer, prompt1, completion1) in zip(firsts, answers, strict=True):
+        second = [*first, {"role": "assistant", "content": answer},
+                  {"role": "user", "content": "And what shape is it, in one word?"}]
+        warm_answer, _, cached2, warm_top = chat_logprobs(on, second)
+        assert cached2 > prompt1, (cached2, prompt1, completion1)  # past turn 1's prompt
+        cold_answer, _, _, cold_top = chat_logprobs(off, second)
+        assert warm_answer == cold_answer
+        assert warm_top == pytest.approx(cold_top, abs=1e-4)
 
 
 def chat_answer(srv: RunningServer, messages: list[dict[str, Any]],

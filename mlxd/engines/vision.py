@@ -156,14 +156,16 @@ class MLXMultimodalLM(MLXLanguageModel):
         out.update(model_type=self.model_type,
                    patches=self._patches.names if self._patches else [],
                    feature_cache_bytes=features.nbytes if features else 0,
-                   feature_cache_hits=features.hits if features else 0)
+                   feature_cache_hits=features.hits if features else 0,
+                   vision_tower_runs=features.tower_runs if features else 0)
         return out
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         if self.features is not None:
             out.update(feature_cache_hits=self.features.hits,
-                       feature_cache_misses=self.features.misses)
+                       feature_cache_misses=self.features.misses,
+                       vision_tower_runs=self.features.tower_runs)
         return out
 
     async def prompt_logprobs(self, prepared: PreparedPrompt, top: int) -> list[TokenLogprob]:

@@ -70,6 +70,7 @@ class FeatureCache:
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
+        self.tower_runs = 0  # prompts whose images went through the vision tower
 
     def get(self, key: tuple[str, ...]) -> mx.array | None:
         with self._lock:
@@ -120,7 +121,10 @@ def embed_prompt(model: Any, model_type: str, prompt: PreparedPrompt,
             features = encoder(model, pixels, extra)
             mx.eval(features)
             cache.put(key, features)
+            cache.tower_runs += 1
         extra["cached_image_features"] = features
+    elif cache is not None:  # get_input_embeddings runs the tower itself
+        cache.tower_runs += 1
     return _kwargs(model.get_input_embeddings(ids, pixels, **extra))
 
 
