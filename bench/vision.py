@@ -119,8 +119,9 @@ async def level(url: str, model: str, concurrency: int, requests: int, max_token
         results = await asyncio.gather(*[one(i) for i in range(requests)])
         wall = time.perf_counter() - start
     ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
-    return {"concurrency": concurrency, "requests": requests,
-            "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
+    tokens = sum(r["tokens"] for r in results)
+    return {"concurrency": concurrency, "requests": requests, "tokens": tokens,
+            "wall_s": wall, "aggregate_tok_s": tokens / wall,
             "ttft_p50_s": statistics.median(ttfts) if ttfts else None}
 
 
