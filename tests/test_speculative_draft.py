@@ -256,6 +256,8 @@ def test_serve_with_a_draft_model_over_http(tiny_model: Path, near_draft_dir: Pa
         got = [client.completions.create(model="tiny", prompt=p, temperature=0, max_tokens=24)
                for p in prompts]
         metrics = srv.client().get("/metrics").text
+        card = srv.client().get("/v1/models/tiny").json()
+    assert card["draft_model"] == str(near_draft_dir)
     assert [g.choices[0].text for g in got] == [target[1].decode(t) for t in plain]
     details = [g.usage.completion_tokens_details for g in got]
     assert sum(d.rejected_prediction_tokens for d in details) > 0

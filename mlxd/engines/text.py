@@ -276,6 +276,8 @@ class MLXLanguageModel:
             "reasoning_parser": self.reasoning.name if self.reasoning else None,
             "tool_call_parser": self.tool_format.name if self.tool_format else None,
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0,
+            "draft_model": (str(self.options.draft_model)
+                            if self.draft is not None and self.options.draft_model else None),
         }
 
     def stats(self) -> dict[str, Any]:
