@@ -281,7 +281,11 @@ def test_a_draft_model_that_names_nothing_is_refused(tiny_model: Path, test_home
         build_catalog(config)
 
 
-def test_a_draft_model_without_model_is_refused(tiny_model_b: Path, test_home: Path) -> None:
+def test_a_draft_model_without_model_is_refused(tiny_model: Path, tiny_model_b: Path,
+                                                test_home: Path) -> None:
     config = ServerConfig(draft_model=str(tiny_model_b), home=test_home)
     with pytest.raises(CatalogError, match="--draft-model drafts for MODEL"):
+        build_catalog(config)
+    config = ServerConfig(model=str(tiny_model), speculative="draft", home=test_home)
+    with pytest.raises(CatalogError, match="--speculative draft needs --draft-model"):
         build_catalog(config)

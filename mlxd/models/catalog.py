@@ -243,6 +243,9 @@ def build_catalog(config: ServerConfig) -> Catalog:
     if config.draft_model and not config.model:
         raise CatalogError("--draft-model drafts for MODEL: give MODEL too (with "
                            "--models-config, set draft_model on the entry instead)")
+    if config.speculative == "draft" and not config.draft_model and registry is None:
+        raise CatalogError("--speculative draft needs --draft-model (or draft_model on a "
+                           "--models-config entry)")
     if config.model:
         cli_entry = model_entry_from_cli(config)
         entries = [e for e in entries if e.name != cli_entry.name] + [cli_entry]
