@@ -49,6 +49,13 @@ from mlxd.engines.vlm_turns import AnswerKeeper
 EmbedFn = Callable[[PreparedPrompt], dict[str, Any]]
 NamespaceFn = Callable[[PreparedPrompt], int]
 _NBYTES_TRIES = 3
+# Tokens per prefix-cache block (mlx-vlm's default is 16). A turn resumes from the last
+# whole block of the previous one, so up to a block less one of turn 1's answer is
+# prefilled again on turn 2; smaller blocks waste less (bench/vision.py's turn 2).
+PREFIX_BLOCK_TOKENS = 8
+# The pool's block count is this over the block size (mlx-vlm's default: 2048 x 16);
+# the byte bound (--prefix-cache-bytes) is what limits it in practice.
+PREFIX_POOL_TOKENS = 32768
 
 
 @dataclass
@@ -157,7 +164,9 @@ class VLMBatchDecoder:
         from mlx_vlm.apc import APCManager
 
         # In-memory only (no disk tier); its byte bound is the limit we count.
-        return APCManager(overrides={"memory_max_gb": self._prefix_bytes / (1 << 30)})
+        return APCManager(num_blocks=PREFIX_POOL_TOKENS // PREFIX_BLOCK_TOKENS,
+                          block_size=PREFIX_BLOCK_TOKENS,
+                          overrides={"memory_max_gb": self._prefix_bytes / (1 << 30)})
 
     def _new_generator(self) -> Any:
         self._rows.clear()
