@@ -57,8 +57,9 @@ class SpeculativeOptions:
         if self.mode == "off" or self.num_draft_tokens <= 0:
             return False
         # auto: only where a forward over a few tokens costs about one token's (a GPU's
-        # memory-bound decode); on CPU it measured about linear in the tokens per row
-        # (docs/benchmarks.md), so verifying drafts there costs more than it saves.
+        # memory-bound decode). On CPU with OpenBLAS, 1-5 tokens cost about one and copy
+        # answers ran 2-4x, but on a loaded box one run was 1.98x (docs/benchmarks.md):
+        # not yet established, so off until a quiet run confirms it.
         return self.mode != "auto" or mx.default_device().type == mx.DeviceType.gpu
 
 
