@@ -139,6 +139,20 @@ def test_greedy_identical_in_mixed_batches(tiny_lm: tuple[Any, Any]) -> None:
     assert min(min(m) for m in margins) > 1e-4  # no near-ties that could flip either way
 
 
+def test_long_drafts_keep_greedy_tokens(tiny_lm: tuple[Any, Any]) -> None:
+    """With a cap of 16, drafts accepted in full double past 8 (verify widths up to 16),
+    and the tokens still equal decoding without speculation."""
+    _, tok = tiny_lm
+    jobs = [{"tokens": tok.encode("hello world, hello world, hello world, hello"), "max": 64},
+            {"tokens": tok.encode("lolo lolo lolo lolo lo"), "max": 40}]
+    plain, _, margins = decode(tiny_lm, jobs, spec=False)
+    fast, (accepted, _), _ = decode(tiny_lm, jobs, spec=True, k=16)
+    short, (accepted_at_4, _), _ = decode(tiny_lm, jobs, spec=True, k=4)
+    assert fast == short == plain
+    assert min(min(m) for m in margins) > 1e-4
+    assert accepted > accepted_at_4  # the longer drafts were used
+
+
 def test_grammar_rejects_drafts_it_forbids(tiny_lm: tuple[Any, Any]) -> None:
     """The prompt makes prompt lookup draft ' lo', which the grammar forbids: those drafts
     are rejected and the constrained output equals decoding without speculation."""
