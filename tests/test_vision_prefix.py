@@ -154,3 +154,53 @@ def chat_answer(srv: RunningServer, messages: list[dict[str, Any]],
                                        max_tokens=max_tokens, temperature=0)
     assert r.usage is not None
     return str(r.choices[0].message.content), r.usage.prompt_tokens, r.usage.completion_tokens
+
+
+def test_resident_bytes_equal_mlx_vlms_own_count_as_blocks_come_and_go(
+        servers: tuple[RunningServer, RunningServer]) -> None:
+    """The prefix cache's byte count (kept per block, re-measured only when a block's
+    storage changes) equals mlx-vlm's sum over every block's arrays: after the stores of
+    the tests above, after a new turn stores more, and after evictions down to a small
+    bound (with some blocks released and reused)."""
+    on, _ = servers
+    chat(on, turn_one(png((60, 60, 200))))  # loaded, with something stored
+    apc = on.ctx.manager.get(FAMILY).engine.scheduler.decoder._apc
+
+    def upstream() -> int:
+        return sum(b.resident_bytes() for b in apc.pool)
+
+    stored = apc.resident_bytes()
+    assert stored > 0 and stored == upstream()
+    chat(on, turn_one(png((10, 120, 90))))
+    assert apc.resident_bytes() == upstream() > stored
+    bound = apc.memory_max_bytes
+    try:
+        apc.memory_max_bytes = stored // 3
+        apc._make_room()  # evicts idle blocks down to the bound
+        assert apc.resident_bytes() == upstream() <= stored // 3
+        chat(on, turn_one(png((240, 240, 240))))  # freed blocks take new KV
+        assert apc.resident_bytes() == upstream()
+    finally:
+        apc.memory_max_bytes = bound
+
+
+def test_a_vision_request_starts_no_process(servers: tuple[RunningServer, RunningServer],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlx-vlm's prefix cache reads the free memory before each prefill and store: with
+    psutil (in the vision extra) it reads it in-process; without, it ran ``vm_stat`` as a
+    subprocess, forking the whole server (over 1 GB here) several times per request."""
+    import subprocess
+
+    started: list[Any] = []
+    real = subprocess.Popen.__init__
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        started.append(args[0] if args else kwargs.get("args"))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", spy)
+    first = turn_one(png((130, 60, 10)))
+    answer, _, _ = chat(on := servers[0], first)
+    chat(on, [*first, {"role": "assistant", "content": answer},
+              {"role": "user", "content": "And what shape is it?"}])
+    assert started == []

@@ -137,6 +137,48 @@ def _generator_class() -> type:
     return MediaKeyedGenerator
 
 
+def _manager_class() -> type:
+    """mlx-vlm's prefix-cache manager, counting its resident bytes without re-measuring.
+
+    mlx-vlm 0.7.10 sums the bytes of every block's every layer array each time it
+    checks its byte bound: several times per request (before each prefill, each store),
+    10 ms with 1,500 stored blocks of a 16-layer model and growing with the pool (up to
+    4,096 blocks here), so a long-running server paid more per request the fuller its
+    cache got. A block's bytes change only when its storage handles are replaced
+    (``set_kv``) or dropped (``release_components``), so each block's figure is kept
+    with the handles it was measured on and re-measured only when they are different
+    objects. ``tests/test_vision_prefix.py`` checks it equals mlx-vlm's own sum as
+    blocks are stored, evicted and released.
+    """
+    from mlx_vlm.apc import APCManager
+    from mlx_vlm.models.cache import cache_nbytes
+
+    class CountingAPCManager(APCManager):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # id(block) -> (the handles measured, their bytes); blocks live in the pool
+            # for the manager's lifetime, so their ids are stable.
+            self._block_bytes: dict[int, tuple[tuple[Any, ...], int]] = {}
+            super().__init__(*args, **kwargs)
+
+        def _resident_bytes_locked(self) -> int:
+            memo = self._block_bytes
+            total = 0
+            for block in self.pool:
+                if not block.components:
+                    continue
+                handles = tuple(block.components.values())
+                known = memo.get(id(block))
+                if known is None or len(known[0]) != len(handles) or any(
+                        a is not b for a, b in zip(known[0], handles)):
+                    known = (handles, int(block.resident_bytes()))
+                    memo[id(block)] = known
+                total += known[1]
+            return total + sum(cache_nbytes(entry.prompt_cache)
+                               for entry in self._exact_cache.values())
+
+    return CountingAPCManager
+
+
 class VLMBatchDecoder:
     """Continuous batching over ``mlx_vlm.generate.BatchGenerator``."""
 
@@ -161,10 +203,8 @@ class VLMBatchDecoder:
         """mlx-vlm's prefix cache, bounded to ``prefix_cache_bytes`` (None when off)."""
         if self._namespace is None:
             return None
-        from mlx_vlm.apc import APCManager
-
         # In-memory only (no disk tier); its byte bound is the limit we count.
-        return APCManager(num_blocks=PREFIX_POOL_TOKENS // PREFIX_BLOCK_TOKENS,
+        return _manager_class()(num_blocks=PREFIX_POOL_TOKENS // PREFIX_BLOCK_TOKENS,
                           block_size=PREFIX_BLOCK_TOKENS,
                           overrides={"memory_max_gb": self._prefix_bytes / (1 << 30)})
 
