@@ -57,9 +57,9 @@ class SpeculativeOptions:
         if self.mode == "off" or self.num_draft_tokens <= 0:
             return False
         # auto: only where a forward over a few tokens costs about one token's (a GPU's
-        # memory-bound decode). On CPU with OpenBLAS, 1-5 tokens cost about one and copy
-        # answers ran 2-4x, but on a loaded box one run was 1.98x (docs/benchmarks.md):
-        # not yet established, so off until a quiet run confirms it.
+        # memory-bound decode). On a quiet CPU box with OpenBLAS a copy answer ran 1.92x
+        # and chat 1.44x, but with the mlx-cpu wheel's own BLAS 0.83x and 0.96x
+        # (docs/benchmarks.md): on CPU it would have to depend on the BLAS, so off.
         return self.mode != "auto" or mx.default_device().type == mx.DeviceType.gpu
 
 
