@@ -11,17 +11,17 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
 import pytest
 
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
-from mlxd.engines.sampling import build_sampler, greedy
+from mlxd.engines.sampling import build_sampler
 from mlxd.engines.speculative import PromptLookup, RowState, SpeculativeOptions
 from mlxd.engines.structured import GrammarTokenizer
 from mlxd.generation.params import SamplingParams
+from tests.helpers.decoding import run_jobs
 
 
 @pytest.fixture(scope="module")
@@ -41,25 +41,13 @@ def decode(lm: tuple[Any, Any], jobs: list[dict[str, Any]], *, spec: bool, k: in
                              prefill_step_size=512,
                              speculative=SpeculativeOptions(
                                  mode="prompt-lookup" if spec else "off", num_draft_tokens=k))
-    out: list[list[int]] = [[] for _ in jobs]
     margins: list[list[float]] = [[] for _ in jobs]
-    waiting = list(enumerate(jobs))
-    owner: dict[int, int] = {}
-    done, step = 0, 0
-    while done < len(jobs):
-        for j, job in [w for w in waiting if w[1].get("join", 0) <= step]:
-            uid = decoder.insert(SimpleNamespace(tokens=job["tokens"]), 0, None,  # type: ignore[arg-type]
-                                 job.get("sampler", greedy), job.get("procs", []), set(eos),
-                                 job["max"])
-            owner[uid] = j
-            waiting.remove((j, job))
-        _, responses = decoder.next()
-        for r in responses:
-            out[owner[r.uid]].append(r.token)
-            top2 = mx.topk(r.logprobs, 2).tolist()
-            margins[owner[r.uid]].append(abs(top2[1] - top2[0]))
-            done += r.finish_reason is not None
-        step += 1
+
+    def margin(j: int, r: Any) -> None:
+        top2 = mx.topk(r.logprobs, 2).tolist()
+        margins[j].append(abs(top2[1] - top2[0]))
+
+    out = run_jobs(decoder, jobs, eos, margin)
     totals = decoder.draft_totals()
     decoder.close()
     return out, totals, margins

@@ -11,7 +11,6 @@ import json
 import shutil
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -21,7 +20,7 @@ from mlxd.config import ServerConfig
 from mlxd.engines.draft import DraftModel, DraftModelError, load_draft_model, rejection_rule
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
 from mlxd.engines.prompt_limits import vocab_bound
-from mlxd.engines.sampling import build_sampler, greedy
+from mlxd.engines.sampling import build_sampler
 from mlxd.engines.speculative import SpeculativeOptions
 from mlxd.generation.params import SamplingParams
 from mlxd.models.catalog import (
@@ -31,6 +30,7 @@ from mlxd.models.catalog import (
     registration_for,
 )
 from mlxd.models.memory import weights_bytes_of_folder
+from tests.helpers.decoding import run_jobs
 from tests.helpers.server import running_server
 from tests.test_serve_flags import serve_parser
 from tests.test_speculative import _chi2_critical, _two_sample_chi2
@@ -103,22 +103,7 @@ def decode(lm: tuple[Any, Any], jobs: list[dict[str, Any]], draft: Any = None, *
                              speculative=SpeculativeOptions(
                                  mode="draft" if draft is not None else "off",
                                  num_draft_tokens=k))
-    out: list[list[int]] = [[] for _ in jobs]
-    waiting = list(enumerate(jobs))
-    owner: dict[int, int] = {}
-    done, step = 0, 0
-    while done < len(jobs):
-        for j, job in [w for w in waiting if w[1].get("join", 0) <= step]:
-            uid = decoder.insert(SimpleNamespace(tokens=job["tokens"]), 0, None,  # type: ignore[arg-type]
-                                 job.get("sampler", greedy), job.get("procs", []), set(eos),
-                                 job["max"])
-            owner[uid] = j
-            waiting.remove((j, job))
-        _, responses = decoder.next()
-        for r in responses:
-            out[owner[r.uid]].append(r.token)
-            done += r.finish_reason is not None
-        step += 1
+    out = run_jobs(decoder, jobs, eos)
     totals = decoder.draft_totals()
     decoder.close()
     return out, totals
