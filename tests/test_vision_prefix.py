@@ -198,9 +198,10 @@ def test_a_vision_request_starts_no_process(servers: tuple[RunningServer, Runnin
         started.append(args[0] if args else kwargs.get("args"))
         real(self, *args, **kwargs)
 
+    on, _ = servers
     monkeypatch.setattr(subprocess.Popen, "__init__", spy)
     first = turn_one(png((130, 60, 10)))
-    answer, _, _ = chat(on := servers[0], first)
+    answer, _, _ = chat(on, first)
     chat(on, [*first, {"role": "assistant", "content": answer},
               {"role": "user", "content": "And what shape is it?"}])
     assert started == []

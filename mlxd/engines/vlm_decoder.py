@@ -205,8 +205,8 @@ class VLMBatchDecoder:
             return None
         # In-memory only (no disk tier); its byte bound is the limit we count.
         return _manager_class()(num_blocks=PREFIX_POOL_TOKENS // PREFIX_BLOCK_TOKENS,
-                          block_size=PREFIX_BLOCK_TOKENS,
-                          overrides={"memory_max_gb": self._prefix_bytes / (1 << 30)})
+                                block_size=PREFIX_BLOCK_TOKENS,
+                                overrides={"memory_max_gb": self._prefix_bytes / (1 << 30)})
 
     def _new_generator(self) -> Any:
         self._rows.clear()
