@@ -205,3 +205,42 @@ def test_a_vision_request_starts_no_process(servers: tuple[RunningServer, Runnin
     chat(on, [*first, {"role": "assistant", "content": answer},
               {"role": "user", "content": "And what shape is it?"}])
     assert started == []
+
+
+def test_a_request_ending_with_its_first_token_runs_no_decode_step(
+        servers: tuple[RunningServer, RunningServer]) -> None:
+    """The first token comes back from the prefill that sampled it: a request that ends
+    there (``max_tokens: 1``, or a stop id) leaves before any decode step runs, where
+    mlx-vlm's pipelined batch would first compute a second token and throw it away."""
+    import openai
+
+    on, _ = servers
+    client = openai.OpenAI(base_url=on.url + "/v1", api_key="x")
+    messages = turn_one(png((90, 200, 40)))
+    longer = client.chat.completions.create(model=FAMILY, messages=messages,  # type: ignore[arg-type]
+                                            max_tokens=6, temperature=0)
+    gen = on.ctx.manager.get(FAMILY).engine.scheduler.decoder._gen
+    steps = gen._steps_counter
+    one = client.chat.completions.create(model=FAMILY, messages=messages,  # type: ignore[arg-type]
+                                         max_tokens=1, temperature=0)
+    assert gen._steps_counter == steps
+    assert one.choices[0].finish_reason == "length"
+    assert one.usage is not None and one.usage.completion_tokens == 1
+    first = str(one.choices[0].message.content)
+    assert str(longer.choices[0].message.content).startswith(first)
+
+    with on.client() as http:
+        ids = http.post("/tokenize", json={"model": FAMILY, "prompt": first,
+                                           "add_special_tokens": False}).json()["tokens"]
+    stopped = client.chat.completions.create(
+        model=FAMILY, messages=messages, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+        extra_body={"stop_token_ids": ids[:1]})
+    assert gen._steps_counter == steps
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage is not None and stopped.usage.completion_tokens == 1
+    # and a request that goes on returns every token once, as before
+    again = client.chat.completions.create(model=FAMILY, messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=6, temperature=0)
+    assert again.choices[0].message.content == longer.choices[0].message.content
+    assert again.usage is not None and longer.usage is not None
+    assert again.usage.completion_tokens == longer.usage.completion_tokens

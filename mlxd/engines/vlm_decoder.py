@@ -22,6 +22,16 @@ salt), so blocks are only shared between prompts with the same images; its
 memory is bounded by ``prefix_cache_bytes`` and counted in ``cache_nbytes``. A row
 leaving the generation batch stores its answer's blocks as well
 (``engines/vlm_turns.py``), so turn 2 resumes after turn 1's answer, not before it.
+
+First tokens are returned as soon as the prompt's last prefill step has sampled
+them. mlx-vlm's generation batch is pipelined: it returns a token only from the
+step that already computes the next one, so a request's first token would wait
+for a whole decode step (about a quarter of a fully cached turn's time on a CPU),
+and a request that ends with its first token (a stop, or ``max_tokens: 1``) would
+pay for a step whose token is thrown away. The generator hands each new row's
+first token over when the row joins the generation batch (``first_tokens``); the
+decoder returns it at once, takes a row that ended out before the next step, and
+drops the batch's own copy of that token when the step returns it.
 """
 
 from __future__ import annotations
@@ -89,8 +99,10 @@ class _Row:
 
     stop: set[int]
     tokens: list[int]
+    max_tokens: int
     logprobs: deque[Any] = field(default_factory=deque)
     wants_logprobs: bool = False
+    first_sent: bool = False  # returned early: the batch's copy of it is dropped
 
 
 class RowSampler:
@@ -124,11 +136,18 @@ def _generator_class() -> type:
 
     class MediaKeyedGenerator(BatchGenerator):  # type: ignore[misc]
         answers: AnswerKeeper | None = None  # set per instance by the decoder
+        first_tokens: list[tuple[int, int]]  # (uid, token) of rows that just joined
 
         def _apc_prefix_has_media_tokens(self, ids_list: list[int], prefix_len: int) -> bool:
             return False
 
         def _extend_generation_batch(self, gen_batch: Any) -> None:
+            # ``generate`` has evaluated the new rows' first tokens; read them before
+            # ``extend`` joins them to the running rows' pending tokens.
+            firsts = getattr(gen_batch, "_next_tokens", None)
+            if firsts is not None and len(gen_batch.uids):
+                self.first_tokens.extend(zip(map(int, gen_batch.uids),
+                                             map(int, firsts.tolist()), strict=True))
             super()._extend_generation_batch(gen_batch)
             # Rows leaving the batch store their answer's KV too (engines/vlm_turns.py).
             if self.answers is not None:
@@ -219,6 +238,7 @@ class VLMBatchDecoder:
             compute_logprobs=False, stream=mx.default_stream(mx.default_device()),
             apc_manager=self._apc)
         gen.answers = self.answers
+        gen.first_tokens = []
         return gen
 
     # -- the Decoder interface -------------------------------------------------
@@ -228,7 +248,7 @@ class VLMBatchDecoder:
         kwargs = self._embed(prompt)  # the whole prompt: the generator slices a cached prefix
         if self._namespace is not None:
             kwargs["_apc_semantic_hash"] = self._namespace(prompt)
-        row = _Row(stop=set(stop), tokens=list(prompt.tokens),
+        row = _Row(stop=set(stop), tokens=list(prompt.tokens), max_tokens=max_tokens,
                    wants_logprobs=(bool(processors) or sampler is not greedy
                                    or prompt.request.logprobs))
         proc = [RowSampler(row, sampler, processors)] if row.wants_logprobs else None
@@ -260,7 +280,8 @@ class VLMBatchDecoder:
         done: list[PromptProgress] = [
             Progress(int(p.uid), cached_tokens=int(getattr(p, "cached_tokens", 0) or 0))
             for p in progress]
-        return done, self._responses(responses)
+        firsts, gen.first_tokens = gen.first_tokens, []
+        return done, self._responses(responses) + self._first_responses(firsts)
 
     def _responses(self, responses: list[Any]) -> list[TokenResponse]:
         out: list[TokenResponse] = []
@@ -269,6 +290,9 @@ class VLMBatchDecoder:
             uid, token = int(r.uid), int(r.token)
             row = self._rows.get(uid)
             if row is None:
+                continue
+            if row.first_sent:  # the batch's copy of the first token, already returned
+                row.first_sent = False
                 continue
             lp = row.logprobs.popleft() if row.logprobs else None
             reason = r.finish_reason
@@ -281,6 +305,26 @@ class VLMBatchDecoder:
                 self._rows.pop(uid, None)
         for uid in ended:
             self._gen.remove(uid)
+        return out
+
+    def _first_responses(self, firsts: list[tuple[int, int]]) -> list[TokenResponse]:
+        """The first token of each row that just joined the generation batch; a row that
+        ends with it leaves the batch before the next step runs."""
+        out: list[TokenResponse] = []
+        for uid, token in firsts:
+            row = self._rows.get(uid)
+            if row is None:
+                continue
+            lp = row.logprobs.popleft() if row.logprobs else None
+            reason = ("stop" if token in row.stop or token in self._eos
+                      else "length" if row.max_tokens <= 1 else None)
+            row.tokens.append(token)
+            out.append(Token(uid, token, lp, reason, all_tokens=list(row.tokens)))
+            if reason is None:
+                row.first_sent = True
+            else:
+                self._rows.pop(uid, None)
+                self._gen.remove(uid)
         return out
 
     @contextmanager
