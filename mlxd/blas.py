@@ -138,3 +138,41 @@ def reexec_with_openblas(mode: str | None) -> BlasPlan:
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv), preload_env(os.environ, plan.library))
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def sgemm_provider() -> str | None:
+    """The file of the library whose ``cblas_sgemm`` this process's global symbol lookup
+    finds first: the one MLX's CPU matmuls call (its own reference BLAS, or a preloaded
+    one). None where it cannot be told (no such symbol loaded, or no ``dladdr``).
+
+    A library merely loaded is not enough: numpy's bundled OpenBLAS, for one, exports
+    its functions under other names and never serves MLX."""
+    try:
+        process = ctypes.CDLL(None)
+        address = ctypes.cast(process.cblas_sgemm, ctypes.c_void_p).value
+        dladdr = process.dladdr
+    except (OSError, AttributeError):
+        return None
+    info = _DlInfo()
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    if not address or not dladdr(ctypes.c_void_p(address), ctypes.byref(info)) \
+            or not info.dli_fname:
+        return None
+    return os.fsdecode(info.dli_fname)
+
+
+# Optimised BLAS builds, by library file name: a matmul over a few rows costs about one
+# row's there, as on a GPU (the reference BLAS of the mlx-cpu wheel is several times slower).
+FAST_BLAS_NAMES = ("openblas", "mkl", "blis", "accelerate")
+
+
+def fast_sgemm() -> bool:
+    """Whether MLX's float32 matmuls run on an optimised BLAS in this process."""
+    provider = sgemm_provider()
+    return provider is not None and any(n in Path(provider).name.lower()
+                                        for n in FAST_BLAS_NAMES)

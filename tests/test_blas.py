@@ -74,6 +74,30 @@ def test_only_the_serve_command_itself_is_re_executed() -> None:
     assert not launched_as_serve(["/venv/bin/mlxd", "bench"])
 
 
+PROBE = ("import mlx.core as mx, numpy; from mlxd.blas import sgemm_provider, fast_sgemm; "
+         "from mlxd.engines.speculative import SpeculativeOptions as S; "
+         "print(sgemm_provider(), fast_sgemm(), S().enabled, S(mode='off').enabled, "
+         "S(mode='prompt-lookup').enabled)")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or find_openblas(os.environ) is None,
+                    reason="needs Linux and an installed OpenBLAS (libopenblas0-pthread)")
+def test_the_blas_serving_mlx_matmuls_decides_whether_auto_speculates() -> None:
+    """``sgemm_provider`` names the library whose ``cblas_sgemm`` MLX's matmuls reach; only
+    a preloaded OpenBLAS counts (numpy's own OpenBLAS is loaded in both runs and never
+    serves MLX), and ``--speculative auto`` follows it on a CPU."""
+    library = find_openblas(os.environ)
+    assert library is not None
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", ENV_ACTIVE)}
+    plain = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split()
+    assert plain == ["None", "False", "False", "False", "True"]
+    fast = subprocess.run([sys.executable, "-c", PROBE], env=preload_env(env, library),
+                          cwd=REPO, check=True, capture_output=True, text=True).stdout.split()
+    assert Path(fast[0]).resolve() == library.resolve()
+    assert fast[1:] == ["True", "True", "False", "True"]
+
+
 def _mapped_openblas(pid: int) -> bool:
     return "libopenblas" in Path(f"/proc/{pid}/maps").read_text()
 
@@ -102,6 +126,12 @@ def test_serve_re_executes_itself_with_openblas_in_the_same_pid(tiny_model: Path
         assert _mapped_openblas(proc.pid)
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
         assert any(e.startswith(ENV_ACTIVE.encode() + b"=") for e in environ)
+        # with matmuls on OpenBLAS, --speculative auto turns prompt lookup on
+        name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+        httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                   json={"model": name, "prompt": "a b a b", "max_tokens": 2}).raise_for_status()
+        card = httpx.get(f"http://127.0.0.1:{port}/v1/models/{name}", timeout=10).json()
+        assert card["speculative"] == "prompt-lookup", card
     finally:
         proc.terminate()
         try:

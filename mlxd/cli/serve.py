@@ -64,8 +64,8 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--max-context", "max_context", {"type": int, "help": "cap the context length"}),
     ("--speculative", "speculative", {"choices": ["auto", "prompt-lookup", "draft", "off"],
                                       "help": "speculative decoding (default auto: the draft "
-                                              "model if given, else prompt lookup on a GPU, "
-                                              "off on CPU)"}),
+                                              "model if given, else prompt lookup on a GPU "
+                                              "or with OpenBLAS, off on reference BLAS)"}),
     ("--draft-model", "draft_model", {"help": "small model with MODEL's tokenizer that drafts "
                                               "tokens for MODEL (folder, GGUF or HF id)"}),
     ("--num-draft-tokens", "num_draft_tokens", {"type": int,

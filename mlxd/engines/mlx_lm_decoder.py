@@ -76,6 +76,13 @@ class LMBatchDecoder:
             self._spec = install(gen, replace(spec, stop_ids=frozenset(self._eos)), drafter)
         return gen
 
+    @property
+    def speculation(self) -> str:
+        """How this decoder drafts: ``draft`` (a draft model), ``prompt-lookup`` or ``off``."""
+        if self._spec is None:
+            return "off"
+        return "draft" if self._new_drafter is not None else "prompt-lookup"
+
     def draft_counts(self, uids: list[int]) -> dict[int, tuple[int, int]]:
         """(accepted, rejected) draft tokens of sequences that left; forgotten once read."""
         return {u: (c.accepted, c.rejected) for u, c in pop_counts(self._spec, uids).items()}

@@ -32,6 +32,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
+from mlxd.blas import fast_sgemm
+
 MODES = ("auto", "prompt-lookup", "draft", "off")
 # Consecutive failed drafts back a sequence off for 2**fails - 1 steps, at most this many.
 MAX_BACKOFF_STEPS = 32
@@ -45,7 +47,7 @@ FIRST_DRAFT_TOKENS = 4
 class SpeculativeOptions:
     """How the batched scheduler speculates (from ``--speculative`` and friends)."""
 
-    mode: str = "auto"  # auto: prompt lookup on a GPU, off on CPU (see ``enabled``)
+    mode: str = "auto"  # auto: prompt lookup on a GPU or fast BLAS (see ``enabled``)
     num_draft_tokens: int = 8  # most tokens one sequence drafts per step
     max_verify_tokens: int = 32  # cap on batch x (1 + drafts) per forward
     ngram_min: int = 2
@@ -56,11 +58,13 @@ class SpeculativeOptions:
     def enabled(self) -> bool:
         if self.mode == "off" or self.num_draft_tokens <= 0:
             return False
-        # auto: only where a forward over a few tokens costs about one token's (a GPU's
-        # memory-bound decode). On a quiet CPU box with OpenBLAS a copy answer ran 1.92x
-        # and chat 1.44x, but with the mlx-cpu wheel's own BLAS 0.83x and 0.96x
-        # (docs/benchmarks.md): on CPU it would have to depend on the BLAS, so off.
-        return self.mode != "auto" or mx.default_device().type == mx.DeviceType.gpu
+        # auto: only where a forward over a few tokens costs about one token's: a GPU's
+        # memory-bound decode, or a CPU whose float32 matmuls run on an optimised BLAS.
+        # On a quiet 2-core box with OpenBLAS (``mlxd serve`` preloads it, mlxd/blas.py)
+        # a copy answer ran 1.92x and chat 1.44x; with the mlx-cpu wheel's own reference
+        # BLAS 0.83x and 0.96x (docs/benchmarks.md), so there it stays off.
+        return self.mode != "auto" or mx.default_device().type == mx.DeviceType.gpu \
+            or fast_sgemm()
 
 
 class PromptLookup:

@@ -278,6 +278,9 @@ class MLXLanguageModel:
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0,
             "draft_model": (str(self.options.draft_model)
                             if self.draft is not None and self.options.draft_model else None),
+            # what --speculative resolved to for this model (auto: on a GPU or fast BLAS)
+            "speculative": (sched.decoder.speculation if isinstance(sched, BatchScheduler)
+                            and isinstance(sched.decoder, LMBatchDecoder) else "off"),
         }
 
     def stats(self) -> dict[str, Any]:
