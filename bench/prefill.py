@@ -5,10 +5,10 @@ SmolLM2-135M float32 folder ``make bench`` serves. Variants (each a cold
 cache, prompt run chunk by chunk as ``BatchGenerator`` prefills it, logits
 left unevaluated as there):
 
-- ``before``: chunks of 2,048 tokens, MLX's own attention (mlxd before
+- ``before``: chunks of 2,048 tokens, mlx-lm's attention and SwiGLU (mlxd before
   engines/prefill.py);
 - ``chunked``: chunks of ``CPU_PREFILL_CHUNK``, MLX's attention;
-- ``mlxd``: chunks of ``CPU_PREFILL_CHUNK`` and the base-2 CPU attention.
+- ``mlxd``: chunks of ``CPU_PREFILL_CHUNK`` and the base-2 CPU attention and SwiGLU.
 
 Also measured: this CPU's sgemm rate on a prefill-shaped matmul, and the
 time the prompt's matmul FLOPs (weights and causal attention) would take at
@@ -69,7 +69,6 @@ def _prefill(model: Any, tokens: Any, chunk: int) -> float:
 def measure(folder: Path, n_tokens: int, reps: int) -> dict[str, Any]:
     """Seconds per variant (median of ``reps``, variants interleaved) and the bounds."""
     import mlx.core as mx
-    from mlx_lm.models import base
     from mlx_lm.utils import load
 
     from mlxd.engines import prefill as ours
@@ -85,7 +84,8 @@ def measure(folder: Path, n_tokens: int, reps: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(reps):
         for name, (chunk, base2) in variants.items():
-            module.scaled_dot_product_attention = base.scaled_dot_product_attention
+            for attr, upstream, _ in ours.PATHS:  # mlx-lm's attention and SwiGLU
+                setattr(module, attr, upstream)
             if base2:
                 ours.install_cpu_prefill_attention(model)
             times[name].append(_prefill(model, tokens, chunk))
