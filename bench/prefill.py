@@ -7,7 +7,7 @@ left unevaluated as there):
 
 - ``before``: chunks of 2,048 tokens, mlx-lm's attention and SwiGLU (mlxd before
   engines/prefill.py);
-- ``chunked``: chunks of ``CPU_PREFILL_CHUNK``, MLX's attention;
+- ``chunked``: chunks of ``CPU_PREFILL_CHUNK``, mlx-lm's attention and SwiGLU;
 - ``mlxd``: chunks of ``CPU_PREFILL_CHUNK`` and the base-2 CPU attention and SwiGLU.
 
 Also measured: this CPU's sgemm rate on a prefill-shaped matmul, and the

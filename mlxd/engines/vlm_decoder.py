@@ -283,6 +283,14 @@ class VLMBatchDecoder:
         firsts, gen.first_tokens = gen.first_tokens, []
         return done, self._responses(responses) + self._first_responses(firsts)
 
+    def _token(self, uid: int, row: _Row, token: int, reason: str | None) -> Token:
+        """Record ``token`` on its row (with its logprobs) and forget a row that ended."""
+        lp = row.logprobs.popleft() if row.logprobs else None
+        row.tokens.append(token)
+        if reason is not None:
+            self._rows.pop(uid, None)
+        return Token(uid, token, lp, reason, all_tokens=list(row.tokens))
+
     def _responses(self, responses: list[Any]) -> list[TokenResponse]:
         out: list[TokenResponse] = []
         ended: list[int] = []
@@ -294,15 +302,11 @@ class VLMBatchDecoder:
             if row.first_sent:  # the batch's copy of the first token, already returned
                 row.first_sent = False
                 continue
-            lp = row.logprobs.popleft() if row.logprobs else None
             reason = r.finish_reason
             if reason is None and token in row.stop:
                 reason = "stop"
                 ended.append(uid)
-            row.tokens.append(token)
-            out.append(Token(uid, token, lp, reason, all_tokens=list(row.tokens)))
-            if reason is not None:
-                self._rows.pop(uid, None)
+            out.append(self._token(uid, row, token, reason))
         for uid in ended:
             self._gen.remove(uid)
         return out
@@ -315,15 +319,12 @@ class VLMBatchDecoder:
             row = self._rows.get(uid)
             if row is None:
                 continue
-            lp = row.logprobs.popleft() if row.logprobs else None
             reason = ("stop" if token in row.stop or token in self._eos
                       else "length" if row.max_tokens <= 1 else None)
-            row.tokens.append(token)
-            out.append(Token(uid, token, lp, reason, all_tokens=list(row.tokens)))
+            out.append(self._token(uid, row, token, reason))
             if reason is None:
                 row.first_sent = True
             else:
-                self._rows.pop(uid, None)
                 self._gen.remove(uid)
         return out
 
