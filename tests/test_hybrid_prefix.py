@@ -71,9 +71,12 @@ def test_batched_equals_alone(hybrid: Path) -> None:
 @pytest.fixture(scope="module", params=["batched", "serial"])
 def server(request: pytest.FixtureRequest, hybrid: Path, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Any]:
+    # the batched server speculates (prompt lookup; Nemotron-H's Mamba-2 layers cannot be
+    # rewound, so it decodes plainly): checkpoints stay exact under verify steps
     cfg = ServerConfig(model=str(hybrid), served_model_name="m", no_starter=True,
                        home=tmp_path_factory.mktemp("hybrid-home"),
-                       batching=request.param == "batched", prefix_cache_bytes=64 * 2**20)
+                       batching=request.param == "batched", prefix_cache_bytes=64 * 2**20,
+                       speculative="prompt-lookup" if request.param == "batched" else "off")
     with running_server(cfg) as srv, srv.client() as http:
         yield http
 
@@ -88,10 +91,10 @@ def _chat(http: Any, messages: list[dict], salt: str | None = None) -> dict:
     return dict(r.json())
 
 
-def test_turns_resume_from_the_previous_turn(server: Any) -> None:
+def test_turns_resume_from_the_previous_turn(server: Any, request: pytest.FixtureRequest) -> None:
     http = server
     messages: list[dict] = [{"role": "system", "content": SYSTEM}]
-    previous_prompt, prompts = 0, []
+    previous_prompt, prompts, drafted = 0, [], 0
     for turn in range(5):
         messages.append({"role": "user", "content": f"Now edit function number {turn}."})
         warm = _chat(http, messages)
@@ -104,6 +107,8 @@ def test_turns_resume_from_the_previous_turn(server: Any) -> None:
         assert warm["choices"][0]["message"]["content"] == \
             cold["choices"][0]["message"]["content"]
         assert usage["completion_tokens"] == cold["usage"]["completion_tokens"]
+        details = usage.get("completion_tokens_details") or {}
+        drafted += details.get("accepted_prediction_tokens", 0)
         previous_prompt = usage["prompt_tokens"]
         prompts.append(previous_prompt)
         # A leading newline merges with the template's "assistant\n" into one token: the
@@ -114,6 +119,12 @@ def test_turns_resume_from_the_previous_turn(server: Any) -> None:
     # (a recurrent state cannot be cut back to leave that token to process).
     again = _chat(http, messages[:-1])["usage"]
     assert prompts[-2] <= again["prompt_tokens_details"]["cached_tokens"] < prompts[-1]
+    # gated delta-net hybrids speculate when batched (their recurrent layers are replayed)
+    params = request.node.callspec.params
+    speculates = params["server"] == "batched" and params["hybrid"] != "nemotron_h"
+    assert http.get("/v1/models/m").json()["speculative"] == \
+        ("prompt-lookup" if speculates else "off")
+    assert (drafted > 0) == speculates, drafted
 
 
 TOOLS = [{"type": "function", "function": {

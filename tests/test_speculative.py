@@ -256,3 +256,53 @@ def test_smollm2_copies_with_identical_greedy_tokens(smollm2: Path) -> None:
     assert fast == plain, [tok.decode(t) for t in fast + plain]
     assert "def subtract(a, b)" in tok.decode(plain[0])
     assert accepted >= 15, (accepted, rejected)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "nemotron_h"])
+def tiny_hybrid(request: pytest.FixtureRequest, session_dir: Path,
+                tiny_model: Path) -> tuple[str, Any, Any]:
+    from mlx_lm import load
+
+    from tests.helpers.tiny_hybrids import build_hybrid
+
+    out = session_dir / f"tiny-{request.param}"
+    if not (out / "config.json").exists():
+        build_hybrid(out, request.param, tiny_model)
+    model, tok = load(str(out))
+    return request.param, model, tok
+
+
+def test_hybrid_greedy_identical_with_recurrent_layers_replayed(
+        tiny_hybrid: tuple[str, Any, Any]) -> None:
+    """Hybrids speculate: after a verify step the attention layers' KV caches are cut back
+    per row and the gated delta-net states are replayed over what each row kept. Drafting
+    and plain rows share the batch (so every verify step rejects padding somewhere), a row
+    joins mid-run and max_tokens falls inside a draft's reach: every token equals decoding
+    without speculation. A model whose recurrent layers cannot be replayed (Mamba-2 in
+    Nemotron-H) does not speculate and says so."""
+    arch, model, tok = tiny_hybrid
+    lm = (model, tok)
+    source = Path(__file__).read_text()
+    code = tok.encode(source)
+    jobs = [
+        {"tokens": code[:150], "max": 40},
+        {"tokens": tok.encode("hello world, hello world, hello world, hello"), "max": 37},
+        {"tokens": code[300:360], "max": 33, "join": 3},
+        {"tokens": code[40:70] + code[40:70], "max": 7},
+        {"tokens": tok.encode("lolo lolo lolo lolo lo"), "max": 29, "join": 5},
+    ]
+    plain, _, margins = decode(lm, jobs, spec=False)
+    fast, (accepted, rejected), _ = decode(lm, jobs, spec=True)
+    assert [len(t) for t in plain] == [j["max"] for j in jobs]
+    assert min(min(m) for m in margins) > 1e-4  # no near-ties that could flip either way
+    assert fast == plain
+    decoder = LMBatchDecoder(model, eos_ids=[], max_num_seqs=4, prefill_step_size=64,
+                             speculative=SpeculativeOptions(mode="prompt-lookup"))
+    speculation = decoder.speculation
+    decoder.close()
+    if arch == "nemotron_h":
+        assert (accepted, rejected, speculation) == (0, 0, "off")
+    else:
+        # random weights fall into loops: many drafts are accepted, and some rejected
+        assert accepted > 40 and rejected > 0, (accepted, rejected)
+        assert speculation == "prompt-lookup"

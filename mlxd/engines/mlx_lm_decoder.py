@@ -26,6 +26,7 @@ from mlxd.engines.decoder import (
 )
 from mlxd.engines.hybrid_cache import SerialRun, prefill, segments, snapshot, with_context
 from mlxd.engines.input_processor import PreparedPrompt
+from mlxd.engines.recurrent_rewind import RecurrentReplay
 from mlxd.engines.speculative import (
     Drafter,
     SpeculativeBatch,
@@ -78,8 +79,12 @@ class LMBatchDecoder:
 
     @property
     def speculation(self) -> str:
-        """How this decoder drafts: ``draft`` (a draft model), ``prompt-lookup`` or ``off``."""
+        """How this decoder drafts: ``draft`` (a draft model), ``prompt-lookup`` or ``off``
+        (also for a model whose caches cannot be rewound after a rejected draft)."""
         if self._spec is None:
+            return "off"
+        replay = RecurrentReplay.find(self.model, make_prompt_cache(self.model))
+        if replay is None or (self._new_drafter is not None and replay.modules):
             return "off"
         return "draft" if self._new_drafter is not None else "prompt-lookup"
 

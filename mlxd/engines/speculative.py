@@ -17,9 +17,12 @@ rows that rejected more are shifted right into their left padding
 Steps where no sequence can draft use mlx-lm's pipelined step unchanged.
 Each sequence's draft length adapts to what it accepted, and a sequence
 whose drafts keep failing backs off exponentially, so text with nothing to
-copy costs (almost) nothing. Only batches whose every layer is a plain
-``BatchKVCache`` speculate: rotating and recurrent caches cannot be rewound
-exactly this way.
+copy costs (almost) nothing. Models whose every layer is a plain
+``BatchKVCache`` speculate, and so do hybrids whose recurrent layers are
+gated delta-nets (Qwen3-Next, Qwen3.5): those are rewound by replaying the
+layer over what each row kept (``recurrent_rewind``). Rotating caches and
+other recurrent layers cannot be rewound exactly: those models do not
+speculate.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from typing import Any, Protocol, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import ArraysCache
 
 from mlxd.blas import fast_sgemm
+from mlxd.engines.recurrent_rewind import RecurrentReplay
 
 MODES = ("auto", "prompt-lookup", "draft", "off")
 # Consecutive failed drafts back a sequence off for 2**fails - 1 steps, at most this many.
@@ -226,6 +230,9 @@ class SpeculativeBatch(GenerationBatch):
         self.totals = SpecCounts()
         self.verify_steps = 0
         self.drafter: Drafter | None = None  # None: prompt lookup
+        # how this model's caches rewind (found at the first plan; None: they cannot)
+        self._replay: RecurrentReplay | None = None
+        self._replay_known = False
 
     # -- planning ------------------------------------------------------------
     def _row(self, i: int) -> RowState:
@@ -248,7 +255,9 @@ class SpeculativeBatch(GenerationBatch):
         opts = self.options
         batch = len(self.uids)
         budget = opts.max_verify_tokens // batch - 1
-        if budget < 1 or not all(type(c) is BatchKVCache for c in self.prompt_cache):
+        replay = self.replay()
+        # a draft model's own cache rewinds like a KV cache: it needs a plain target too
+        if budget < 1 or replay is None or (self.drafter is not None and replay.modules):
             return None
         self._prune()
         if self.drafter is not None:
@@ -273,6 +282,14 @@ class SpeculativeBatch(GenerationBatch):
             plan.drafts[i] = draft
         return plan if any(plan.drafts) else None
 
+    def replay(self) -> RecurrentReplay | None:
+        """How this batch's caches rewind after a verify step (an empty replay: plain KV
+        caches only), or None when some layer cannot be rewound."""
+        if not self._replay_known and self.prompt_cache:
+            self._replay = RecurrentReplay.find(self.model, self.prompt_cache)
+            self._replay_known = True
+        return self._replay
+
     # -- one verify step -----------------------------------------------------
     def _verify(self, plan: _Plan) -> tuple[list[list[int]], list[list[mx.array]]]:
         """Forward ``[pending, drafts..]`` for every row, sample every position, keep each
@@ -282,7 +299,11 @@ class SpeculativeBatch(GenerationBatch):
         width = max(len(d) for d in drafts)
         rows = [[pending[i], *d, *([pending[i]] * (width - len(d)))] for i, d in enumerate(drafts)]
         inputs = mx.array(rows, dtype=self._next_tokens.dtype)
-        logits = self.model(inputs, cache=self.prompt_cache)
+        replay = self.replay()
+        assert replay is not None  # _plan checked
+        saved = replay.save(self.prompt_cache)
+        with replay.recording():
+            logits = self.model(inputs, cache=self.prompt_cache)
         processors = self.logits_processors or []
         if any(processors):
             logits = self._process(logits, inputs, drafts)
@@ -311,6 +332,8 @@ class SpeculativeBatch(GenerationBatch):
                 self._account(i, len(draft), a)
         if self.drafter is not None:
             self.drafter.commit(self, [width - r for r in rejected])
+        if replay.modules and any(rejected):
+            replay.rewind(self.prompt_cache, saved, [width + 1 - r for r in rejected], width + 1)
         self._rewind(rejected)
         self._next_tokens = mx.array(next_tokens, dtype=self._next_tokens.dtype)
         self._next_logprobs = next_logprobs
@@ -397,10 +420,12 @@ class SpeculativeBatch(GenerationBatch):
 def rewind_rows(caches: list[Any], rejected: list[int]) -> None:
     """Drop each row's last ``rejected[i]`` positions of batched KV caches: trim what all
     rows rejected, then shift rows that rejected more to the right so their stale slots
-    become left padding."""
+    become left padding. Recurrent states are left to ``RecurrentReplay``."""
     common = min(rejected)
     extra = [r - common for r in rejected]
     for cache in caches:
+        if isinstance(cache, ArraysCache):
+            continue
         if common:
             cache.trim(common)
         if any(extra):
