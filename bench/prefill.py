@@ -8,7 +8,7 @@ left unevaluated as there):
 - ``before``: chunks of 2,048 tokens, mlx-lm's attention and SwiGLU (mlxd before
   engines/prefill.py);
 - ``chunked``: chunks of ``CPU_PREFILL_CHUNK``, mlx-lm's attention and SwiGLU;
-- ``mlxd``: chunks of ``CPU_PREFILL_CHUNK`` and the base-2 CPU attention and SwiGLU.
+- ``mlxd``: chunks of ``CPU_PREFILL_CHUNK``, NumPy attention and the base-2 SwiGLU (engines/prefill.py).
 
 Also measured: this CPU's sgemm rate on a prefill-shaped matmul, and the
 time the prompt's matmul FLOPs (weights and causal attention) would take at
@@ -83,10 +83,10 @@ def measure(folder: Path, n_tokens: int, reps: int) -> dict[str, Any]:
                 "mlxd": (ours.CPU_PREFILL_CHUNK, True)}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(reps):
-        for name, (chunk, base2) in variants.items():
+        for name, (chunk, cpu_path) in variants.items():
             for attr, upstream, _ in ours.PATHS:  # mlx-lm's attention and SwiGLU
                 setattr(module, attr, upstream)
-            if base2:
+            if cpu_path:
                 ours.install_cpu_prefill_attention(model)
             times[name].append(_prefill(model, tokens, chunk))
             print(f"{name}: {times[name][-1]:.2f}s", flush=True)

@@ -1,4 +1,4 @@
-"""CPU prefill path (engines/prefill.py): the base-2 attention and SwiGLU equal
+"""CPU prefill path (engines/prefill.py): the NumPy attention and base-2 SwiGLU equal
 mlx-lm's, the served model uses them and prefills in short chunks, with unchanged
 greedy tokens."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxd.engines.prefill import CPU_PREFILL_CHUNK, base2_attention, base2_swiglu, on_cpu
+from mlxd.engines.prefill import CPU_PREFILL_CHUNK, base2_swiglu, host_attention, on_cpu
 
 pytestmark = pytest.mark.skipif(not on_cpu(), reason="the CPU prefill path only runs on CPU")
 
@@ -17,14 +17,14 @@ def _reference(q: mx.array, k: mx.array, v: mx.array, mask: object) -> mx.array:
 
 
 @pytest.mark.parametrize("kind", ["causal", "bool", "additive", "none"])
-def test_base2_attention_equals_mlx(kind: str) -> None:
+def test_host_attention_equals_mlx(kind: str) -> None:
     mx.random.seed(3)
     q = mx.random.normal((2, 8, 40, 16))
     k, v = mx.random.normal((2, 2, 60, 16)), mx.random.normal((2, 2, 60, 16))
     allowed = mx.random.uniform(shape=(2, 1, 40, 60)) > 0.3
     mask = {"causal": "causal", "bool": allowed, "additive": mx.where(allowed, 0.0, -1e9),
             "none": None}[kind]
-    diff = mx.abs(base2_attention(q, k, v, 0.25, mask) - _reference(q, k, v, mask)).max()  # type: ignore[arg-type]
+    diff = mx.abs(host_attention(q, k, v, 0.25, mask) - _reference(q, k, v, mask)).max()  # type: ignore[arg-type]
     assert diff.item() < 1e-5
 
 
@@ -45,7 +45,7 @@ def test_base2_swiglu_equals_mlx_lms_even_at_the_extremes() -> None:
 def test_a_row_with_every_key_masked_stays_finite() -> None:
     q, k, v = mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8))
     mask = mx.zeros((1, 1, 4, 4), dtype=mx.bool_)
-    assert mx.isfinite(base2_attention(q, k, v, 1.0, mask)).all().item()
+    assert mx.isfinite(host_attention(q, k, v, 1.0, mask)).all().item()
 
 
 def test_served_model_prefills_in_short_chunks_with_the_same_tokens(
@@ -102,6 +102,44 @@ def test_the_cpu_path_is_reference_counted_and_undone_on_the_last_unload(
         assert module.swiglu is activations.swiglu
 
 
+def test_numpys_own_blas_runs_on_one_thread_while_the_path_is_installed(
+        tiny_model: object) -> None:
+    """NumPy's wheel bundles its own OpenBLAS: while a model uses the CPU path its pool is
+    limited to one thread (it would spin against MLX's), and restored after the last
+    unload. In a fresh process, so no other loaded model holds the path."""
+    import json
+    import subprocess
+    import sys
+
+    script = """
+import json, sys
+import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
+from mlx_lm.utils import load
+from mlxd.engines import prefill
+
+def threads():
+    return [i["num_threads"] for i in threadpool_info() if "scipy_openblas" in i["prefix"]]
+
+threadpool_limits(limits={"libscipy_openblas": 2})
+before = threads()
+model = load(sys.argv[1])[0]
+first = prefill.install_cpu_prefill_attention(model)
+second = prefill.install_cpu_prefill_attention(model)
+installed = threads()
+first.undo()
+one_left = threads()
+second.undo()
+print(json.dumps([before, installed, one_left, threads()]))
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(tiny_model)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    before, installed, one_left, after = json.loads(out.strip().splitlines()[-1])
+    if not before:
+        pytest.skip("this NumPy does not bundle its own OpenBLAS")
+    assert (before, installed, one_left, after) == ([2], [1], [1], [2])
+
+
 def test_an_unchecked_mlx_lm_whose_attention_differs_keeps_its_own(
         tiny_model: object, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlx_lm.utils import load
@@ -110,7 +148,7 @@ def test_an_unchecked_mlx_lm_whose_attention_differs_keeps_its_own(
 
     model, _ = load(str(tiny_model))[:2]
     monkeypatch.setattr(prefill, "CHECKED_MLX_LM", ())
-    monkeypatch.setattr(prefill, "base2_attention",
+    monkeypatch.setattr(prefill, "host_attention",
                         lambda q, k, v, scale, mask: prefill.mx.zeros_like(q))
     assert prefill.install_cpu_prefill_attention(model) is None
     monkeypatch.undo()
@@ -122,3 +160,17 @@ def test_an_unchecked_mlx_lm_whose_attention_differs_keeps_its_own(
     handle = prefill.install_cpu_prefill_attention(model)  # unchecked, self-check passes
     assert handle is not None
     handle.undo()
+
+
+def test_host_attention_reads_strided_half_precision_caches() -> None:
+    """A KV cache is a slice of a larger buffer (strided) and may be bfloat16, which NumPy
+    cannot read: the result equals MLX's attention on the same inputs, in their dtype."""
+    mx.random.seed(6)
+    q = mx.random.normal((1, 4, 70, 16)).astype(mx.bfloat16)
+    buffer = mx.random.normal((1, 2, 256, 16)).astype(mx.bfloat16)
+    k, v = buffer[:, :, :90], buffer[:, :, 100:190]
+    ours = host_attention(q, k, v, 0.25, "causal")
+    assert ours.dtype == mx.bfloat16
+    ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32),
+                                               v.astype(mx.float32), scale=0.25, mask="causal")
+    assert mx.abs(ours.astype(mx.float32) - ref).max().item() < 2e-2

@@ -1,25 +1,30 @@
 """Faster cold prefill on CPU.
 
-Where a CPU prefill's time goes (SmolLM2-135M, float32, OpenBLAS; see the
-s-hybrid note and ``bench/prefill.py``): the matmuls run on BLAS near its
-rate, but attention's softmax does not. MLX's CPU ``exp`` costs about 4x
-``power(2, x)`` per element, and a 2,000-token prompt prefilled as one
-chunk exponentiates a 2,000 x 2,000 score matrix per head and layer, half
-of it masked out by causality. Two fixes are ours:
+Where a CPU prefill's time goes (SmolLM2-135M, float32, OpenBLAS; see
+``bench/prefill.py`` and docs/benchmarks.md): the matmuls run on BLAS near its
+rate, but the element-wise transcendental functions do not. MLX's CPU ``exp``
+costs 12-15 ns an element on this 2-core Xeon (``power(2, .)`` about 6), against
+0.6 ns for a multiply and under 1 ns for NumPy's SIMD ``exp``; attention
+exponentiates a (query x key) score matrix per head and layer, and at a few
+thousand tokens of context that was most of a prefill's time. Three fixes are
+ours:
 
 - ``cpu_prefill_chunk``: prompts are prefilled in chunks of at most
   ``CPU_PREFILL_CHUNK`` tokens on CPU, so the masked-out upper triangle is
   mostly never computed (and the score matrices stay in cache).
-- ``install_cpu_prefill_attention``: for multi-token queries on CPU,
-  attention computes its softmax in base 2 (``power(2, .)`` on scores
-  pre-scaled by log2(e)), the same function up to float rounding. Decode
-  steps (one query), quantized caches, attention sinks and the GPU keep
-  mlx-lm's path.
+- ``install_cpu_prefill_attention``: for multi-token queries on CPU, attention
+  is computed by NumPy on the evaluated inputs' memory (``host_attention``:
+  no copy in, one key-value group at a time, its softmax with NumPy's ``exp``),
+  the same function up to float rounding. NumPy's own BLAS runs on one thread
+  meanwhile, so its thread pool and MLX's do not spin against each other
+  (``_limit_host_blas``). Decode steps and speculative verify steps (short
+  queries), quantized caches, attention sinks and the GPU keep mlx-lm's path.
+  A 2,000-token prefill went from 11.0 s (the base-2 MLX softmax this
+  replaced) to 5.1 s, 4,000 tokens from 37.9 s to 16.7 s.
 - The same install computes the MLP's SwiGLU (``silu(gate) * x``) in base 2
-  for prefill chunks on CPU: ``gate / (1 + 2^(-gate * log2(e))) * x``. The
-  sigmoid's ``exp`` was the largest cost after the matmuls: in a 768-token
-  SmolLM2 prefill (3 chunks of 256), the 90 SwiGLUs took 0.56 s of 2.47 s, and
-  the base-2 form takes 2.1 ms instead of 6.7 ms per [256 x 1536] call.
+  for prefill chunks on CPU: ``gate / (1 + 2^(-gate * log2(e))) * x``, 2.1 ms
+  instead of 6.7 ms per [256 x 1536] call (its output would have to be copied
+  back from NumPy, which costs more than it saves here).
 
 mlx-lm's model modules call ``scaled_dot_product_attention`` and ``swiglu``,
 names each imports from ``mlx_lm.models.base`` and ``.activations``; the CPU
@@ -35,22 +40,24 @@ undone when the last of them unloads (``PrefillAttention.undo``).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from importlib import metadata
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import activations, base
 
 log = logging.getLogger(__name__)
 
 CPU_PREFILL_CHUNK = 256
 # mlx-lm versions whose ``scaled_dot_product_attention`` signature and semantics were
-# checked against ``base2_attention`` (tests/test_prefill.py).
+# checked against ``host_attention`` (tests/test_prefill.py).
 CHECKED_MLX_LM = ("0.32.2",)
-# Queries at least this long take the base-2 path (decode and speculative verify
-# steps keep mlx-lm's kernel).
+# Queries at least this long take the CPU prefill paths (decode and speculative verify
+# steps keep mlx-lm's kernels).
 MIN_QUERY_TOKENS = 64
 _LOG2E = 1.4426950408889634
 
@@ -65,45 +72,67 @@ def cpu_prefill_chunk(step: int) -> int:
     return min(step, CPU_PREFILL_CHUNK) if on_cpu() else step
 
 
-def base2_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                    mask: mx.array | str | None) -> mx.array:
-    """Scaled dot-product attention with a base-2 softmax (grouped-query aware).
+def host_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                   mask: mx.array | str | None) -> mx.array:
+    """Scaled dot-product attention computed by NumPy on the inputs' memory (grouped-query
+    aware; float32 inside).
 
-    ``mask``: ``"causal"``, a boolean array (True = attend) or an additive one.
-    A row with every key masked gets a uniform (finite) distribution instead of NaN.
+    MLX's CPU ``exp`` costs 12-15 ns an element here and ``power(2, .)`` about 6, while
+    NumPy's SIMD ``exp`` into a preallocated array costs under 1 ns; the score matmuls
+    go to BLAS either way. The inputs are evaluated and read in place (no copy), one
+    key-value group at a time so the score matrix stays one group's size, and only the
+    output, (b, h, n_q, d), is copied back. ``mask``: ``"causal"``, a boolean array
+    (True = attend) or an additive one. A row with every key masked gets a uniform
+    (finite) distribution instead of NaN.
     """
     b, h, n_q, d = queries.shape
     h_kv, n_k = keys.shape[1], keys.shape[2]
-    q = (queries * (scale * _LOG2E)).reshape(b, h_kv, h // h_kv, n_q, d)
-    scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)  # in log2 units
-    lowest = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
-    if isinstance(mask, str):
+    rep = h // h_kv
+    dtype = queries.dtype
+    q = (queries * scale).astype(mx.float32)
+    k, v = keys.astype(mx.float32), values.astype(mx.float32)
+    arrays = [q, k, v] + ([mask] if isinstance(mask, mx.array) else [])
+    mx.eval(*arrays)
+    qn, kn, vn = np.asarray(q), np.asarray(k), np.asarray(v)
+    lowest = np.finfo(np.float32).min
+    causal = isinstance(mask, str)
+    if causal:  # only the last n_q keys can be in a query's future
         offset = n_k - n_q
-        allowed = mx.arange(offset, offset + n_q)[:, None] >= mx.arange(n_k)[None]
-        scores = mx.where(allowed, scores, lowest)
+        future = np.triu(np.full((n_q, n_q), lowest, np.float32), 1)
     elif mask is not None:
-        if mask.ndim == 4:  # (b, h or 1, n_q, n_k) -> per key-value group
-            mask = mask.reshape(mask.shape[0], -1, 1, n_q, n_k) if mask.shape[1] == 1 else \
-                mask.reshape(mask.shape[0], h_kv, h // h_kv, n_q, n_k)
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, lowest)
-        else:
-            scores = scores + mask.astype(scores.dtype) * _LOG2E
-    scores = scores - mx.max(scores, axis=-1, keepdims=True)
-    weights = mx.power(mx.array(2.0, scores.dtype), scores)
-    weights = weights / mx.sum(weights, axis=-1, keepdims=True)
-    out = weights @ mx.expand_dims(values, 2)
-    return out.reshape(b, h, n_q, values.shape[-1])
+        mn = np.asarray(mask)
+        mn = np.broadcast_to(mn.reshape((1,) * (4 - mn.ndim) + mn.shape), (b, h, n_q, n_k))
+    out = np.empty((b, h, n_q, vn.shape[-1]), np.float32)
+    for i in range(b):
+        for g in range(h_kv):
+            heads = slice(g * rep, (g + 1) * rep)
+            scores = np.matmul(qn[i, heads].reshape(rep * n_q, d), kn[i, g].T)
+            grid = scores.reshape(rep, n_q, n_k)
+            if causal:
+                grid[:, :, offset:] += future
+            elif mask is not None:
+                m = mn[i, heads]
+                if m.dtype == np.bool_:
+                    np.copyto(grid, lowest, where=np.logical_not(m))
+                else:
+                    grid += m
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            total = scores.sum(axis=-1, keepdims=True)
+            weighted = np.matmul(scores, vn[i, g])
+            weighted /= total
+            out[i, heads] = weighted.reshape(rep, n_q, -1)
+    return mx.array(out).astype(dtype)
 
 
 def _cpu_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
               scale: float, mask: Any, sinks: mx.array | None = None) -> mx.array:
-    """mlx-lm's ``scaled_dot_product_attention``, base 2 for CPU prefill."""
+    """mlx-lm's ``scaled_dot_product_attention``; NumPy's for CPU prefill chunks."""
     if (sinks is not None or hasattr(cache, "bits") or queries.shape[2] < MIN_QUERY_TOKENS
             or not on_cpu()):
         return base.scaled_dot_product_attention(queries, keys, values, cache=cache,
                                                  scale=scale, mask=mask, sinks=sinks)
-    return base2_attention(queries, keys, values, scale, mask)
+    return host_attention(queries, keys, values, scale, mask)
 
 
 @mx.compile
@@ -127,7 +156,7 @@ PATHS: tuple[tuple[str, Any, Any], ...] = (
 
 
 def _self_check() -> bool:
-    """Whether the base-2 paths equal the installed mlx-lm's attention (GQA, causal) and
+    """Whether the CPU paths equal the installed mlx-lm's attention (GQA, causal) and
     SwiGLU."""
     key = mx.random.key(0)
     q = mx.random.normal((1, 4, 80, 16), key=key)
@@ -138,7 +167,7 @@ def _self_check() -> bool:
                                                      mask="causal")  # type: ignore[arg-type]
     except Exception:  # a changed signature: keep mlx-lm's path
         return False
-    diff = float(mx.abs(base2_attention(q, k, v, 0.25, "causal") - expected).max().item())  # type: ignore[arg-type]
+    diff = float(mx.abs(host_attention(q, k, v, 0.25, "causal") - expected).max().item())  # type: ignore[arg-type]
     gate = mx.random.normal((1, 80, 48), key=key) * 8
     up = mx.random.normal((1, 80, 48), key=mx.random.split(key)[0])
     try:
@@ -169,11 +198,39 @@ class _Installs:
     """Which model modules use the CPU path, and for how many loaded models.
 
     The rebinding is process-wide (a module attribute), so this record is too: the
-    one exception to "no module-level state", as for the vision patches.
+    one exception to "no module-level state", as for the vision patches. So is the
+    thread limit on NumPy's own BLAS (``_limit_host_blas``), held while any model
+    uses the path.
     """
 
     lock = threading.Lock()
     counts: dict[str, int] = {}
+    blas_limit: Any = None
+
+
+def _limit_host_blas() -> Any:
+    """Run the BLAS libraries other than the one serving MLX's matmuls on one thread
+    (threadpoolctl; returns the limit to restore, or None).
+
+    ``host_attention``'s matmuls go to NumPy's BLAS (its wheel bundles its own
+    OpenBLAS) between MLX's, which run on another one (the OpenBLAS ``mlxd serve``
+    preloads). Two OpenBLAS thread pools on the same cores each spin while the other
+    works: a 2,000-token SmolLM2 prefill took 11.1 s with both pools at two threads
+    and 5.5 s with NumPy's at one (2-core box).
+    """
+    from threadpoolctl import ThreadpoolController
+
+    from mlxd.blas import sgemm_provider
+
+    mlx_blas = sgemm_provider()
+    controller = ThreadpoolController()
+    others = [lib for lib in controller.lib_controllers
+              if lib.user_api == "blas" and lib.num_threads > 1
+              and (mlx_blas is None or os.path.realpath(lib.filepath)
+                   != os.path.realpath(mlx_blas))]
+    if not others:
+        return None
+    return controller.select(filepath=[lib.filepath for lib in others]).limit(limits=1)
 
 
 class PrefillAttention:
@@ -198,6 +255,9 @@ class PrefillAttention:
                 for attr, upstream, ours in PATHS:
                     if getattr(module, attr, None) is ours:
                         setattr(module, attr, upstream)
+            if not _Installs.counts and _Installs.blas_limit is not None:
+                _Installs.blas_limit.restore_original_limits()
+                _Installs.blas_limit = None
 
 
 def install_cpu_prefill_attention(model: Any) -> PrefillAttention | None:
@@ -225,4 +285,6 @@ def install_cpu_prefill_attention(model: Any) -> PrefillAttention | None:
                 continue
             _Installs.counts[name] = _Installs.counts.get(name, 0) + 1
             held.append(name)
+        if held and _Installs.blas_limit is None:
+            _Installs.blas_limit = _limit_host_blas()
     return PrefillAttention(held) if held else None
