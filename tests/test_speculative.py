@@ -306,3 +306,55 @@ def test_hybrid_greedy_identical_with_recurrent_layers_replayed(
         # random weights fall into loops: many drafts are accepted, and some rejected
         assert accepted > 40 and rejected > 0, (accepted, rejected)
         assert speculation == "prompt-lookup"
+
+
+class _CountingModel:
+    """A model that counts its one-token forwards (decode steps), delegating the rest."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.decode_forwards = 0
+
+    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> Any:
+        if inputs.shape[1] == 1:
+            self.decode_forwards += 1
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_step_where_every_row_ends_runs_no_forward(tiny_lm: tuple[Any, Any],
+                                                     spec: bool) -> None:
+    """mlx-lm's step is pipelined: it feeds the token it returns and samples the next. When
+    every row of the batch returns its last token (max_tokens), that forward is skipped:
+    N tokens cost N one-token forwards (the first samples from the prompt), not N + 1, and
+    the finished row's cache covers exactly the tokens it reports."""
+    from types import SimpleNamespace
+
+    from mlxd.engines.sampling import greedy
+
+    model, tok = tiny_lm
+    counting = _CountingModel(model)
+    # speculating, but with n-grams too long to ever match: every step is a plain one
+    options = SpeculativeOptions(mode="prompt-lookup", ngram_min=64, ngram_max=64) if spec \
+        else SpeculativeOptions(mode="off")
+    decoder = LMBatchDecoder(counting, eos_ids=[], max_num_seqs=4, prefill_step_size=512,
+                             speculative=options)
+    prompt = tok.encode("a plain prompt with nothing to copy from")
+    for max_tokens in (1, 5):
+        counting.decode_forwards = 0
+        uid = decoder.insert(SimpleNamespace(tokens=prompt), 0, None, greedy, [], set(),  # type: ignore[arg-type]
+                             max_tokens)
+        tokens, last = [], None
+        while last is None:
+            for r in decoder.next()[1]:
+                assert r.uid == uid
+                tokens.append(r.token)
+                last = r if r.finish_reason is not None else None
+        assert last.finish_reason == "length" and len(tokens) == max_tokens
+        assert counting.decode_forwards == max_tokens
+        assert last.all_tokens == prompt + tokens[:-1]
+        assert last.prompt_cache[0].offset == len(last.all_tokens)
+    decoder.close()

@@ -75,6 +75,8 @@ class LMBatchDecoder:
             # the model's end-of-sequence tokens are never drafted
             drafter = self._new_drafter() if self._new_drafter is not None else None
             self._spec = install(gen, replace(spec, stop_ids=frozenset(self._eos)), drafter)
+        else:  # the same batch class, never drafting: it skips the forward no row reads
+            install(gen, SpeculativeOptions(mode="off"))
         return gen
 
     @property

@@ -14,7 +14,10 @@ KV cache is rewound per row: the batch trims the smallest rejection, and
 rows that rejected more are shifted right into their left padding
 (``BatchKVCache.prepare(right_padding)`` + ``finalize``).
 
-Steps where no sequence can draft use mlx-lm's pipelined step unchanged.
+Steps where no sequence can draft use mlx-lm's pipelined step unchanged,
+except a step where every row reaches ``max_tokens``: its pending tokens are
+returned without the forward that would only compute the token after them.
+The decoder installs this batch with speculation off too, for that step.
 Each sequence's draft length adapts to what it accepted, and a sequence
 whose drafts keep failing backs off exponentially, so text with nothing to
 copy costs (almost) nothing. Models whose every layer is a plain
@@ -253,6 +256,8 @@ class SpeculativeBatch(GenerationBatch):
     def _plan(self) -> _Plan | None:
         """Drafts for this step, or None to take mlx-lm's plain pipelined step."""
         opts = self.options
+        if opts.mode == "off":
+            return None
         batch = len(self.uids)
         budget = opts.max_verify_tokens // batch - 1
         replay = self.replay()
@@ -386,10 +391,21 @@ class SpeculativeBatch(GenerationBatch):
         if not self.uids:
             return []
         plan = self._plan()
-        if plan is None:
-            return super().next()
-        tokens, logprobs = self._verify(plan)
-        return self._respond(tokens, logprobs)
+        if plan is not None:
+            return self._respond(*self._verify(plan))
+        if all(n + 1 >= m for n, m in zip(self._num_tokens, self.max_tokens)):
+            return self._last_step()
+        return super().next()
+
+    def _last_step(self) -> list[GenerationBatch.Response]:
+        """Every row's pending token is its last (``max_tokens``): return them without
+        the forward a plain step would run to feed them and sample the token after,
+        which nobody reads (mlx-lm's step is pipelined: that forward would hold the
+        model thread, and the prefix-cache insert that waits on it, past the answer's
+        end). The caches, and the tokens they cover, stop before the pending token."""
+        mx.eval(self._next_tokens, self._next_logprobs)
+        pending = cast(list[int], self._next_tokens.tolist())
+        return self._respond([[t] for t in pending], [[lp] for lp in self._next_logprobs])
 
     def _respond(self, tokens: list[list[int]],
                  logprobs: list[list[mx.array]]) -> list[GenerationBatch.Response]:
