@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -95,7 +97,50 @@ def test_cached_entries_hold_only_their_own_bytes(tiny_model_b: Path, test_home:
         prompts = [[{"role": "user", "content": f"{i} " + "word " * 300}] for i in range(12)]
         with cf.ThreadPoolExecutor(12) as pool:
             list(pool.map(lambda m: chat(http, m, max_tokens=40), prompts))
+        deadline = time.monotonic() + 30  # the last answers' entries are stored after them
+        while not engine.scheduler.settled() and time.monotonic() < deadline:
+            time.sleep(0.01)
         held = mx.get_active_memory() - baseline
         cached = engine.prefix_cache.nbytes
     assert cached > 0
     assert held <= 1.5 * cached + 8 * 2**20
+
+
+def test_an_answer_is_delivered_before_its_states_are_stored(tiny_model_b: Path,
+                                                            tmp_path: Path) -> None:
+    """Storing a state evaluates a copy of it (tens of ms for a few thousand tokens); the
+    client waiting for the answer's end does not wait for that. Storing the answer's state
+    here blocks until the test has the whole answer: were it on the answer's path, the
+    request would time out. It is stored afterwards, and the next turn resumes from it."""
+    cfg = ServerConfig(model=str(tiny_model_b), served_model_name="m", home=tmp_path / "home",
+                       no_starter=True)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first"}]
+    with running_server(cfg) as srv, srv.client() as http:
+        chat(http, [{"role": "user", "content": "load"}], max_tokens=1)
+        cache = srv.ctx.manager.get("m").engine.prefix_cache
+        answered = threading.Event()
+        stored: list[int] = []
+        insert = cache.insert
+
+        def insert_after_the_answer(tokens: list[int], *args: object) -> None:
+            if stored:  # the prompt's state is stored first, then the answer's
+                assert answered.wait(30), "the answer's state was stored before its end"
+            insert(tokens, *args)  # type: ignore[arg-type]
+            stored.append(len(tokens))
+
+        cache.insert = insert_after_the_answer  # type: ignore[method-assign]
+        r = http.post("/v1/chat/completions", timeout=20, json={
+            "model": "m", "messages": msgs, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        answered.set()
+        cache.insert = insert  # type: ignore[method-assign]
+        prompt = r.json()["usage"]["prompt_tokens"]
+        deadline = time.monotonic() + 30
+        while len(stored) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # the prompt's state, then the answer's (prompt and all but the last token)
+        assert stored == [prompt, prompt + 7], stored
+        again = chat(http, [*msgs, {"role": "assistant",
+                                    "content": r.json()["choices"][0]["message"]["content"]},
+                            {"role": "user", "content": "second"}])
+        assert cached(again) >= prompt

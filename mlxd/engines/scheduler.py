@@ -148,6 +148,8 @@ class SchedulerBase:
         self.batch_sizes = [0] * (self.max_num_seqs + 1)
         self.closed = False
         self._outbox: list[tuple[EventSink, list[Event]]] = []
+        # prefix-cache inserts of this step, run once its events are delivered
+        self._inserts: list[tuple[list[int], list[Any], str | None]] = []
 
     # -- called from the event loop ---------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -221,6 +223,33 @@ class SchedulerBase:
             self._step()
         finally:
             self._flush()
+            self._insert_cached()
+
+    def _cache(self, tokens: list[int], cache: list[Any], key: str | None) -> None:
+        """Store a state in the prefix cache after this step's events are delivered: the
+        insert evaluates a copy of the state (tens of ms for a few thousand tokens),
+        which a client waiting for its first token or its answer's end need not wait
+        for. The worker runs it before its next step, so no admission misses it."""
+        if self.prefix_cache is not None:
+            self._inserts.append((tokens, cache, key))
+
+    def _insert_cached(self) -> None:
+        inserts = self._inserts
+        if not inserts:
+            return
+        try:
+            for tokens, cache, key in inserts:
+                assert self.prefix_cache is not None
+                self.prefix_cache.insert(tokens, cache, key)
+            if not self.running:
+                # the entries were slices of the batch's buffer, which is free only now
+                release_free_memory()
+        finally:
+            self._inserts = []  # only now: ``settled`` reads it from other threads
+
+    def settled(self) -> bool:
+        """Whether nothing runs, waits or is left to store (any thread)."""
+        return not (self.has_work() or self._inserts)
 
     def _step(self) -> None:  # pragma: no cover - implemented by subclasses
         raise NotImplementedError
@@ -418,8 +447,8 @@ class BatchScheduler(SchedulerBase):
                 self._emit(seq, seq.pipeline.feed(r.token, self._logprob(seq, r.token, r.logprobs)))
             if r.finish_reason is not None:
                 del self.running[r.uid]
-                if self.prefix_cache is not None and r.prompt_cache:
-                    self.prefix_cache.insert(r.all_tokens, r.prompt_cache, seq.cache_key)
+                if r.prompt_cache:
+                    self._cache(r.all_tokens, r.prompt_cache, seq.cache_key)
                 self._finish(seq, r.finish_reason)
         stopped = [s for s in self.running.values() if s.pipeline.stopped]
         if stopped:
@@ -488,7 +517,7 @@ class BatchScheduler(SchedulerBase):
         if not uids:
             return
         for uid, (cache, toks) in self.decoder.extract_cache(uids).items():
-            self.prefix_cache.insert(list(toks), cache, self.running[uid].cache_key)
+            self._cache(list(toks), cache, self.running[uid].cache_key)
 
     def _remove(self, seqs: list[Sequence], reason: str, keep_cache: bool = False) -> None:
         if not seqs:
@@ -496,11 +525,10 @@ class BatchScheduler(SchedulerBase):
         caches = self.decoder.remove([s.uid for s in seqs], return_caches=keep_cache)
         for seq in seqs:
             self.running.pop(seq.uid, None)
-            if keep_cache and self.prefix_cache is not None:
-                found = caches.get(seq.uid)
-                if found:
-                    cache, toks = found
-                    self.prefix_cache.insert(list(toks), cache, seq.cache_key)
+            found = caches.get(seq.uid) if keep_cache else None
+            if found:
+                cache, toks = found
+                self._cache(list(toks), cache, seq.cache_key)
             self._finish(seq, reason, seq.error if reason == "error" else None)
 
     def close(self) -> None:
