@@ -12,13 +12,15 @@ ours:
 - ``cpu_prefill_chunk``: prompts are prefilled in chunks of at most
   ``CPU_PREFILL_CHUNK`` tokens on CPU, so the masked-out upper triangle is
   mostly never computed (and the score matrices stay in cache).
-- ``install_cpu_prefill_attention``: for multi-token queries on CPU, attention
-  is computed by NumPy on the evaluated inputs' memory (``host_attention``:
+- ``install_cpu_prefill_attention``: on CPU, attention over more than a few
+  thousand query x key scores per head (prefill chunks, and decode or verify
+  steps deep into a long context) is computed by NumPy on the evaluated
+  inputs' memory (``host_attention``:
   no copy in, one key-value group at a time, its softmax with NumPy's ``exp``),
   the same function up to float rounding. NumPy's own BLAS runs on one thread
   meanwhile, so its thread pool and MLX's do not spin against each other
-  (``_limit_host_blas``). Decode steps and speculative verify steps (short
-  queries), quantized caches, attention sinks and the GPU keep mlx-lm's path.
+  (``_limit_host_blas``). Short contexts, quantized caches, attention sinks and
+  the GPU keep mlx-lm's path.
   A 2,000-token prefill went from 11.0 s (the base-2 MLX softmax this
   replaced) to 5.1 s, 4,000 tokens from 37.9 s to 16.7 s.
 - The same install computes the MLP's SwiGLU (``silu(gate) * x``) in base 2
@@ -56,9 +58,14 @@ CPU_PREFILL_CHUNK = 256
 # mlx-lm versions whose ``scaled_dot_product_attention`` signature and semantics were
 # checked against ``host_attention`` (tests/test_prefill.py).
 CHECKED_MLX_LM = ("0.32.2",)
-# Queries at least this long take the CPU prefill paths (decode and speculative verify
-# steps keep mlx-lm's kernels).
+# SwiGLU calls over at least this many tokens take the base-2 path (decode and
+# speculative verify steps keep mlx-lm's).
 MIN_QUERY_TOKENS = 64
+# Attention calls with at least this many query x key scores per head take NumPy's path.
+# One 9-head call (2-core Xeon, OpenBLAS): 1 query x 1,000 keys 0.55 ms in MLX and 0.59
+# in NumPy; 9 x 1,000 2.2 and 0.6; 1 x 6,000 2.6 and 1.3; 9 x 6,000 (a speculative
+# verify step deep into a session) 11.5 and 3.4; 256 x 6,000 222 and 53.
+HOST_ATTENTION_MIN_SCORES = 4096
 _LOG2E = 1.4426950408889634
 
 
@@ -128,8 +135,8 @@ def host_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: f
 def _cpu_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
               scale: float, mask: Any, sinks: mx.array | None = None) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention``; NumPy's for CPU prefill chunks."""
-    if (sinks is not None or hasattr(cache, "bits") or queries.shape[2] < MIN_QUERY_TOKENS
-            or not on_cpu()):
+    if (sinks is not None or hasattr(cache, "bits") or not on_cpu()
+            or queries.shape[2] * keys.shape[2] < HOST_ATTENTION_MIN_SCORES):
         return base.scaled_dot_product_attention(queries, keys, values, cache=cache,
                                                  scale=scale, mask=mask, sinks=sinks)
     return host_attention(queries, keys, values, scale, mask)
