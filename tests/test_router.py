@@ -97,7 +97,9 @@ def test_stopping_a_replica_mid_load_loses_no_request(router: Any,
     leaving = replicas[1]
 
     async def run() -> list[Any]:
-        tasks = [asyncio.create_task(_ask(router, f"write a poem {i}", max_tokens=48,
+        # long enough answers that the replica is still decoding when the gauge is read
+        # (48 tokens of the tiny model take ~70 ms, shorter than a poll)
+        tasks = [asyncio.create_task(_ask(router, f"write a poem {i}", max_tokens=400,
                                           extra_body={"ignore_eos": True}))
                  for i in range(8)]
         await _until_running(leaving)
@@ -115,9 +117,9 @@ def test_stopping_a_replica_mid_load_loses_no_request(router: Any,
 
 async def _until_running(replica: Replica) -> None:
     async with httpx.AsyncClient(timeout=10) as client:
-        for _ in range(600):
+        for _ in range(1500):
             health = (await client.get(replica.url + "/health")).json()
             if health["load"]["running"] > 0:
                 return
-            await asyncio.sleep(0.05)  # polling a gauge
+            await asyncio.sleep(0.02)  # polling a gauge
     raise TimeoutError("the replica never started decoding")
