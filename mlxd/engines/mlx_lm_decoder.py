@@ -70,8 +70,13 @@ class LMBatchDecoder:
             stream=mx.default_stream(mx.default_device()),
         )
         spec = self._speculative
-        # a draft mode without a draft model (not loaded for this model) does not speculate
-        if spec is not None and spec.enabled and (spec.mode != "draft" or self._new_drafter):
+        # a draft mode without a draft model (not loaded for this model) does not speculate,
+        # nor a model whose caches cannot be rewound after a rejected draft (a draft model's
+        # own cache rewinds like a KV cache: it needs a target without recurrent layers)
+        replay = RecurrentReplay.find(self.model, make_prompt_cache(self.model))
+        rewinds = replay is not None and not (self._new_drafter and replay.modules)
+        if spec is not None and spec.enabled and rewinds and \
+                (spec.mode != "draft" or self._new_drafter):
             # the model's end-of-sequence tokens are never drafted
             drafter = self._new_drafter() if self._new_drafter is not None else None
             self._spec = install(gen, replace(spec, stop_ids=frozenset(self._eos)), drafter)
@@ -84,9 +89,6 @@ class LMBatchDecoder:
         """How this decoder drafts: ``draft`` (a draft model), ``prompt-lookup`` or ``off``
         (also for a model whose caches cannot be rewound after a rejected draft)."""
         if self._spec is None:
-            return "off"
-        replay = RecurrentReplay.find(self.model, make_prompt_cache(self.model))
-        if replay is None or (self._new_drafter is not None and replay.modules):
             return "off"
         return "draft" if self._new_drafter is not None else "prompt-lookup"
 
