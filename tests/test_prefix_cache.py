@@ -133,11 +133,12 @@ def test_an_answer_is_delivered_before_its_states_are_stored(tiny_model_b: Path,
             "model": "m", "messages": msgs, "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
         answered.set()
-        cache.insert = insert  # type: ignore[method-assign]
         prompt = r.json()["usage"]["prompt_tokens"]
         deadline = time.monotonic() + 30
         while len(stored) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
+        # restored only now: the answer's state may be stored after the response arrives
+        cache.insert = insert  # type: ignore[method-assign]
         # the prompt's state, then the answer's (prompt and all but the last token)
         assert stored == [prompt, prompt + 7], stored
         again = chat(http, [*msgs, {"role": "assistant",
