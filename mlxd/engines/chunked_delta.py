@@ -40,8 +40,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gated_delta
 
-CHUNK = 64
-MIN_TOKENS = 64
+CHUNK = 32
+MIN_TOKENS = 32
 # A step's log decay is floored here: e^-30 (1e-13) forgets the state as surely as 0,
 # and an infinite log decay (a huge gate input) would make L_t - L_t a NaN. The floor
 # also bounds |L| over a chunk, and with it the rounding of L_t - L_i.
