@@ -39,8 +39,11 @@ def decode(lm: tuple[Any, Any], jobs: list[dict[str, Any]], *, spec: bool, k: in
     eos = sorted(tok.eos_token_ids)
     decoder = LMBatchDecoder(model, eos_ids=eos, max_num_seqs=max_num_seqs,
                              prefill_step_size=512,
+                             # verify whenever a row drafts: these tests are about what
+                             # verification computes, not when it pays (verify_width)
                              speculative=SpeculativeOptions(
-                                 mode="prompt-lookup" if spec else "off", num_draft_tokens=k))
+                                 mode="prompt-lookup" if spec else "off", num_draft_tokens=k,
+                                 verify_cost=0.0))
     margins: list[list[float]] = [[] for _ in jobs]
 
     def margin(j: int, r: Any) -> None:
@@ -358,3 +361,48 @@ def test_a_step_where_every_row_ends_runs_no_forward(tiny_lm: tuple[Any, Any],
         assert last.all_tokens == prompt + tokens[:-1]
         assert last.prompt_cache[0].offset == len(last.all_tokens)
     decoder.close()
+
+
+def test_a_verify_step_runs_only_where_the_drafts_pay_for_the_wider_forward() -> None:
+    """``verify_width``: verifying m drafts a row costs ``1 + cost * rows * m`` plain steps
+    and yields about ``rate * min(draft, m)`` more tokens a row."""
+    from mlxd.engines.speculative import CPU_VERIFY_COST, verify_width
+
+    cost = CPU_VERIFY_COST
+    assert verify_width([8], [1.0], cost) == 8  # one stream copying: every draft
+    assert verify_width([8], [0.02], cost) == 0  # drafts that keep failing: plain steps
+    assert verify_width([0, 0], [1.0, 1.0], cost) == 0  # nothing drafted
+    # four streams, one of them with a weak draft: the other three must not pay for it
+    assert verify_width([8, 0, 0, 0], [0.3, 0.75, 0.75, 0.75], cost) == 0
+    assert verify_width([8, 8, 8, 8], [0.9] * 4, cost) == 8  # four streams copying
+    # a sure short draft and an unsure long one: verify as far as the sure one reaches
+    assert verify_width([8, 2], [0.1, 1.0], cost) == 2
+    assert verify_width([8, 8, 8, 8], [0.9] * 4, 0.0) == 8  # a free verify: everything
+    assert verify_width([3, 8], [1.0, 1.0], 0.0) == 8
+    # the worst values: no rows, zero-length drafts, rates at the bounds
+    assert verify_width([], [], cost) == 0
+    assert verify_width([0], [0.0], cost) == 0
+    assert verify_width([1], [0.0], 0.0) == 0
+
+
+def test_a_sequence_judged_not_worth_verifying_is_retried_later() -> None:
+    """A low acceptance rate keeps a batch from verifying a sequence's drafts; each such
+    step moves its rate back toward the prior, so a copy that starts later is tried."""
+    from mlxd.engines.speculative import (
+        CPU_VERIFY_COST,
+        PRIOR_ACCEPTANCE,
+        RATE_RECOVERY,
+        verify_width,
+    )
+
+    state = RowState(PromptLookup([1, 2, 3], 2, 3), k=4)
+    for _ in range(4):
+        state.update(4, 0, 8)
+    assert state.rate < 0.1
+    declined = 0
+    while verify_width([4, 0, 0, 0], [state.rate] + [PRIOR_ACCEPTANCE] * 3,
+                       CPU_VERIFY_COST) == 0:
+        state.rate += RATE_RECOVERY * (PRIOR_ACCEPTANCE - state.rate)
+        declined += 1
+        assert declined < 100
+    assert declined > 3  # not at once: a failing sequence costs the batch little

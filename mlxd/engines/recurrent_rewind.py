@@ -33,6 +33,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
+from mlxd.engines.gapped_cache import GappedBatchKVCache
+
 
 def _replayable() -> tuple[type, ...]:
     """The recurrent layer classes whose ``__call__(inputs, mask, cache)`` honours
@@ -66,7 +68,7 @@ class RecurrentReplay:
         replayable = _replayable()
         modules: dict[int, Any] = {}
         for i, (layer, cache) in enumerate(zip(layers, caches)):
-            if type(cache) in (BatchKVCache, KVCache):
+            if type(cache) in (BatchKVCache, GappedBatchKVCache, KVCache):
                 continue
             module = getattr(layer, "linear_attn", None)
             if type(cache) is not ArraysCache or type(module) not in replayable:

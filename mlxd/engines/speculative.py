@@ -11,8 +11,8 @@ row keeps its drafts while each equals the token sampled before it
 ("sample, then compare": exact at temperature 0, and for a fixed draft it
 accepts with probability p(d), so sampling keeps its distribution). The
 KV cache is rewound per row: the batch trims the smallest rejection, and
-rows that rejected more are shifted right into their left padding
-(``BatchKVCache.prepare(right_padding)`` + ``finalize``).
+what rows rejected beyond it is masked where it lies (``gapped_cache``), not
+copied out of the rows' history.
 
 Steps where no sequence can draft use mlx-lm's pipelined step unchanged,
 except a step where every row reaches ``max_tokens``: its pending tokens are
@@ -20,7 +20,12 @@ returned without the forward that would only compute the token after them.
 The decoder installs this batch with speculation off too, for that step.
 Each sequence's draft length adapts to what it accepted, and a sequence
 whose drafts keep failing backs off exponentially, so text with nothing to
-copy costs (almost) nothing. Models whose every layer is a plain
+copy costs (almost) nothing. A verify forward costs every row of the batch
+its width, so a step verifies only where the drafts' expected yield (each
+row's acceptance rate times its draft length) pays for the wider forward
+(``verify_width``): on a CPU a batch of 4 at 5k context took 250 ms for a
+plain step and 435-530 ms to verify 8 tokens a row, so one row's uncertain
+draft must not slow the other three. Models whose every layer is a plain
 ``BatchKVCache`` speculate, and so do hybrids whose recurrent layers are
 gated delta-nets (Qwen3-Next, Qwen3.5): those are rewound by replaying the
 layer over what each row kept (``recurrent_rewind``). Rotating caches and
@@ -39,6 +44,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import ArraysCache
 
 from mlxd.blas import fast_sgemm
+from mlxd.engines.gapped_cache import drop_rows
 from mlxd.engines.recurrent_rewind import RecurrentReplay
 
 MODES = ("auto", "prompt-lookup", "draft", "off")
@@ -48,6 +54,36 @@ MAX_BACKOFF_STEPS = 32
 # ``num_draft_tokens``: a long copy verifies up to that many per forward, while text with
 # little to copy never pays for a long rejected draft first.
 FIRST_DRAFT_TOKENS = 4
+# A sequence's acceptance rate (accepted / drafted, a moving average) before its first
+# verdict: a match in its own context is more often right than wrong.
+PRIOR_ACCEPTANCE = 0.75
+# Each step a sequence's draft is judged not worth verifying, its rate moves this much of
+# the way back to the prior (a sequence that failed earlier is retried now and then).
+RATE_RECOVERY = 0.1
+# What one more token per row costs a forward, as a fraction of a plain step, per row:
+# a verify over ``m`` drafts a row at batch ``B`` costs ``1 + cost * B * m`` plain steps.
+# On this project's 2-core CPU (SmolLM2-135M float32, 5k context): 0.056 at B=1, 0.034 at
+# B=2, 0.025-0.04 at B=4. A GPU's decode is memory-bound: a few more tokens cost little.
+CPU_VERIFY_COST = 0.04
+GPU_VERIFY_COST = 0.005
+
+
+def verify_width(drafts: Sequence[int], rates: Sequence[float], cost: float) -> int:
+    """How many drafted tokens per row a verify step should check (0: a plain step).
+
+    ``drafts[i]`` is row i's draft length (0: none), ``rates[i]`` its acceptance rate.
+    A plain step yields one token a row; verifying ``m`` yields about ``sum(rate_i *
+    min(draft_i, m))`` more and costs ``1 + cost * rows * m`` plain steps. Returns the
+    ``m`` with the most tokens per unit of time, if that beats a plain step.
+    """
+    rows = len(drafts)
+    best, best_rate = 0, float(rows)
+    for m in range(1, max(drafts, default=0) + 1):
+        gain = sum(r * min(d, m) for d, r in zip(drafts, rates))
+        rate = (rows + gain) / (1 + cost * rows * m)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = m, rate
+    return best
 
 
 @dataclass(frozen=True)
@@ -60,6 +96,14 @@ class SpeculativeOptions:
     ngram_min: int = 2
     ngram_max: int = 4
     stop_ids: frozenset[int] = frozenset()  # never drafted: a stop ends the sequence
+    # a verify forward's cost per extra token and row (``verify_width``); None: by device
+    verify_cost: float | None = None
+
+    def cost(self) -> float:
+        if self.verify_cost is not None:
+            return self.verify_cost
+        return GPU_VERIFY_COST if mx.default_device().type == mx.DeviceType.gpu \
+            else CPU_VERIFY_COST
 
     @property
     def enabled(self) -> bool:
@@ -161,6 +205,7 @@ class RowState:
     k: int
     skip: int = 0
     fails: int = 0
+    rate: float = PRIOR_ACCEPTANCE  # accepted / drafted, a moving average
 
     def ready(self) -> bool:
         if self.skip > 0:
@@ -173,6 +218,7 @@ class RowState:
         """Adapt the draft length: double after a full acceptance (a copy going on accepts
         long runs), shrink to what was accepted plus one, and back off exponentially while
         drafts keep failing."""
+        self.rate = 0.5 * self.rate + 0.5 * accepted / max(1, drafted)
         if accepted == drafted:
             self.k = min(k_max, 2 * self.k)
         else:
@@ -285,7 +331,17 @@ class SpeculativeBatch(GenerationBatch):
                     draft = draft[:j]
                     break
             plan.drafts[i] = draft
-        return plan if any(plan.drafts) else None
+        if not any(plan.drafts):
+            return None
+        states = [self._rows[u] for u in self.uids]
+        m = verify_width([len(d) for d in plan.drafts], [r.rate for r in states], opts.cost())
+        if not m:  # not worth a wider forward: the rates drift back, so a copy that
+            for state, draft in zip(states, plan.drafts):  # starts later is tried again
+                if draft:
+                    state.rate += RATE_RECOVERY * (PRIOR_ACCEPTANCE - state.rate)
+            return None
+        plan.drafts = [d[:m] for d in plan.drafts]
+        return plan
 
     def replay(self) -> RecurrentReplay | None:
         """How this batch's caches rewind after a verify step (an empty replay: plain KV
@@ -435,18 +491,16 @@ class SpeculativeBatch(GenerationBatch):
 
 def rewind_rows(caches: list[Any], rejected: list[int]) -> None:
     """Drop each row's last ``rejected[i]`` positions of batched KV caches: trim what all
-    rows rejected, then shift rows that rejected more to the right so their stale slots
-    become left padding. Recurrent states are left to ``RecurrentReplay``."""
+    rows rejected, and mask what some rejected beyond that (``GappedBatchKVCache``: no
+    copy of the rows' history). Recurrent states are left to ``RecurrentReplay``."""
     common = min(rejected)
+    if common:
+        for cache in caches:
+            if not isinstance(cache, ArraysCache):
+                cache.trim(common)
     extra = [r - common for r in rejected]
-    for cache in caches:
-        if isinstance(cache, ArraysCache):
-            continue
-        if common:
-            cache.trim(common)
-        if any(extra):
-            cache.prepare(right_padding=extra)
-            cache.finalize()
+    if any(extra):
+        drop_rows(caches, extra)
 
 
 def install(gen: BatchGenerator, options: SpeculativeOptions,
