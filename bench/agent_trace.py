@@ -34,8 +34,12 @@ from mlxd.benchmark.trace_report import comparison, markdown, summarize
 REPO = Path(__file__).resolve().parent.parent
 SERVERS = ("mlxd", "mlx_lm.server", "vllm-mlx")
 # Opt-in extra rows (``--servers mlxd,mlxd-lookup,...``): mlxd with prompt-lookup
-# speculation forced on (``--speculative auto`` leaves it off on CPU).
-VARIANTS = ("mlxd-lookup",)
+# speculation forced on (``--speculative auto`` leaves it off on a CPU without a fast
+# BLAS), and mlxd with it off.
+VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
+    "mlxd-lookup": ("--speculative", "prompt-lookup"),
+    "mlxd-plain": ("--speculative", "off")}
+VARIANTS = tuple(VARIANT_FLAGS)
 MODELS = ("smollm2", "hybrid")
 # How each server is sent the turns: (API, tools described in the system message).
 # SmolLM2's chat template (also the hybrid's) cannot render tools: mlx_lm.server and
@@ -43,6 +47,7 @@ MODELS = ("smollm2", "hybrid")
 # server gets the same description in the system message.
 APIS: dict[str, tuple[TraceApi, bool]] = {"mlxd": ("messages", True),
                                           "mlxd-lookup": ("messages", True),
+                                          "mlxd-plain": ("messages", True),
                                           "mlx_lm.server": ("chat", True),
                                           "vllm-mlx": ("messages", True)}
 HYBRID_CONFIG: dict[str, Any] = {
@@ -86,9 +91,9 @@ def hybrid_model(home: Path, smollm2: Path) -> Path:
 def spec_for(name: str, folder: Path, port: int, home: Path) -> Any:
     from bench.servers import mlx_lm_spec, mlxd_spec, vllm_mlx_spec
 
-    if name in ("mlxd", "mlxd-lookup"):  # starts cold like the peers: no persisted cache
+    if name == "mlxd" or name in VARIANT_FLAGS:  # starts cold like the peers: no persisted cache
         spec = mlxd_spec(folder, port, home, "auto")
-        extra = ("--speculative", "prompt-lookup") if name == "mlxd-lookup" else ()
+        extra = VARIANT_FLAGS.get(name, ())
         return dataclasses.replace(spec, argv=(*spec.argv, "--no-prefix-cache-persist", *extra))
     if name == "mlx_lm.server":
         return mlx_lm_spec(folder, port)
