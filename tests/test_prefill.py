@@ -42,6 +42,69 @@ def test_base2_swiglu_equals_mlx_lms_even_at_the_extremes() -> None:
     assert mx.allclose(ours, theirs, rtol=1e-6, atol=1e-30).item()
 
 
+def test_base2_silu_and_precise_swiglu_equal_mlx_over_prefill_chunks_only() -> None:
+    """Prefill-sized calls take base 2 (same values up to rounding, same dtype, no NaN at
+    the extremes); decode-sized ones are mlx's own, bit for bit."""
+    import mlx.nn as nn
+    from mlx_lm.models.activations import precise_swiglu
+
+    from mlxd.engines.prefill import MIN_QUERY_TOKENS, _cpu_precise_swiglu, _cpu_silu
+
+    mx.random.seed(6)
+    x = mx.random.normal((1, MIN_QUERY_TOKENS + 3, 40)) * 12
+    x = mx.concatenate([x, mx.array([[[-1e30, -200.0, -88.0, 0.0, 88.0, 3e38] * 5 + [0.0] * 10]
+                                     * (MIN_QUERY_TOKENS + 3)])], axis=-1)
+    ours = _cpu_silu(x)
+    assert mx.isfinite(ours).all().item()
+    assert mx.allclose(ours, nn.silu(x), rtol=1e-5, atol=1e-30).item()
+    step = x[:, :1]
+    assert mx.array_equal(_cpu_silu(step), nn.silu(step)).item()
+
+    h = mx.zeros((1, MIN_QUERY_TOKENS, 4, 16), dtype=mx.bfloat16)
+    gate = mx.random.normal(h.shape) * 8
+    up = mx.random.normal(h.shape)
+    got, want = _cpu_precise_swiglu(h, gate, up), precise_swiglu(h, gate, up)
+    assert got.dtype == want.dtype == mx.bfloat16
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=1e-2).item()
+    one = (h[:, :1], gate[:, :1], up[:, :1])
+    assert mx.array_equal(_cpu_precise_swiglu(*one), precise_swiglu(*one)).item()
+
+
+def test_a_hybrid_models_nn_is_mlx_nn_with_silu_changed_and_restored(
+        tmp_path: object, tiny_model: object) -> None:
+    """The module-level ``nn`` of a hybrid's module is rebound while it is loaded: every
+    other name is mlx.nn's, the logits are the same, and mlx.nn comes back on unload."""
+    import sys
+    from pathlib import Path
+
+    import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    from mlxd.engines import prefill
+    from tests.helpers.tiny_hybrids import build_hybrid
+
+    folder = build_hybrid(Path(str(tmp_path)) / "h", "qwen3_next", tiny_model)  # type: ignore[arg-type]
+    model, _ = load(str(folder))[:2]
+    module = sys.modules[type(model).__module__]
+    prompt = mx.array([[(i * 31) % 200 + 3 for i in range(prefill.MIN_QUERY_TOKENS + 20)]])
+
+    def logits() -> mx.array:
+        return model(prompt, cache=make_prompt_cache(model))
+
+    was = module.nn
+    want = logits() if was is nn else None
+    handle = prefill.install_cpu_prefill_attention(model)
+    assert handle is not None
+    assert module.nn is prefill.NN_WITH_CPU_SILU
+    assert module.nn.Linear is nn.Linear and module.nn.silu is not nn.silu
+    got = logits()
+    handle.undo()
+    if want is not None:  # no other loaded model in this process holds the path
+        assert module.nn is nn
+        assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
 def test_a_row_with_every_key_masked_stays_finite() -> None:
     q, k, v = mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8)), mx.ones((1, 2, 4, 8))
     mask = mx.zeros((1, 1, 4, 4), dtype=mx.bool_)
