@@ -48,13 +48,20 @@ def test_base2_silu_and_precise_swiglu_equal_mlx_over_prefill_chunks_only() -> N
     import mlx.nn as nn
     from mlx_lm.models.activations import precise_swiglu
 
-    from mlxd.engines.prefill import MIN_QUERY_TOKENS, _cpu_precise_swiglu, _cpu_silu
+    from mlxd.engines.prefill import (
+        MIN_QUERY_TOKENS,
+        _cpu_precise_swiglu,
+        _cpu_silu,
+        base2_silu,
+        base2_swiglu,
+    )
 
     mx.random.seed(6)
     x = mx.random.normal((1, MIN_QUERY_TOKENS + 3, 40)) * 12
     x = mx.concatenate([x, mx.array([[[-1e30, -200.0, -88.0, 0.0, 88.0, 3e38] * 5 + [0.0] * 10]
                                      * (MIN_QUERY_TOKENS + 3)])], axis=-1)
     ours = _cpu_silu(x)
+    assert mx.array_equal(ours, base2_silu(x)).item()  # the base-2 path was taken
     assert mx.isfinite(ours).all().item()
     assert mx.allclose(ours, nn.silu(x), rtol=1e-5, atol=1e-30).item()
     step = x[:, :1]
@@ -64,6 +71,7 @@ def test_base2_silu_and_precise_swiglu_equal_mlx_over_prefill_chunks_only() -> N
     gate = mx.random.normal(h.shape) * 8
     up = mx.random.normal(h.shape)
     got, want = _cpu_precise_swiglu(h, gate, up), precise_swiglu(h, gate, up)
+    assert mx.array_equal(got, base2_swiglu(gate, up).astype(mx.bfloat16)).item()
     assert got.dtype == want.dtype == mx.bfloat16
     assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=1e-2).item()
     one = (h[:, :1], gate[:, :1], up[:, :1])

@@ -69,7 +69,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import activations, base, gated_delta
 
-from mlxd.engines.chunked_delta import cpu_gated_delta_update
+from mlxd.engines.chunked_delta import LOG2E, cpu_gated_delta_update
 from mlxd.engines.depthwise_conv import install_cpu_depthwise_conv
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,6 @@ HOST_ATTENTION_MIN_SCORES = 4096
 # each): a 4,000-token prefill 16.8 -> 11.4 s on 2 cores. Smaller ones (decode steps)
 # run inline, where handing work to threads would cost more than it saves.
 PARALLEL_MIN_SCORES = 1 << 20
-_LOG2E = 1.4426950408889634
 
 
 def on_cpu() -> bool:
@@ -184,9 +183,20 @@ def _cpu_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
 
 
 @mx.compile
+def base2_silu(x: mx.array) -> mx.array:
+    """``silu(x)`` with the sigmoid in base 2: ``x / (1 + 2^(-x log2 e))``."""
+    return x / (1 + mx.power(2.0, x * -LOG2E))
+
+
 def base2_swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """``silu(gate) * x`` with the sigmoid in base 2 (one fused kernel)."""
-    return gate / (1 + mx.power(2.0, gate * -_LOG2E)) * x
+    """``silu(gate) * x`` with the sigmoid in base 2."""
+    return base2_silu(gate) * x
+
+
+def _prefill_chunk(x: mx.array) -> bool:
+    """Whether ``x`` ([B, T, ...]) spans a CPU prefill chunk (decode and speculative
+    verify steps do not, and keep mlx's own functions bit for bit)."""
+    return x.ndim >= 3 and x.shape[1] >= MIN_QUERY_TOKENS and on_cpu()
 
 
 def _cpu_swiglu(gate: mx.array, x: mx.array) -> mx.array:
@@ -199,7 +209,7 @@ def _cpu_swiglu(gate: mx.array, x: mx.array) -> mx.array:
 def _cpu_precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
     """mlx-lm's ``precise_swiglu`` (float32 inside, ``h``'s dtype out; the gated norm of
     Qwen3-Next's delta-net layers), base 2 for CPU prefill chunks ([B, T, ...] inputs)."""
-    if gate.ndim < 3 or gate.shape[1] < MIN_QUERY_TOKENS or not on_cpu():
+    if not _prefill_chunk(gate):
         return activations.precise_swiglu(h, gate, x)
     return base2_swiglu(gate.astype(mx.float32), x.astype(mx.float32)).astype(h.dtype)
 
@@ -207,9 +217,9 @@ def _cpu_precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
 def _cpu_silu(x: mx.array) -> mx.array:
     """``mlx.nn.silu``, base 2 for CPU prefill chunks ([B, T, ...] inputs): the
     activation after hybrid models' convolutions, 11.5 -> 4.1 ms per [259 x 2048]."""
-    if x.ndim < 3 or x.shape[1] < MIN_QUERY_TOKENS or not on_cpu():
+    if not _prefill_chunk(x):
         return nn.silu(x)
-    return x / (1 + mx.power(2.0, x * -_LOG2E))
+    return base2_silu(x)
 
 
 class _NNWithCpuSilu(types.ModuleType):
