@@ -70,6 +70,7 @@ import numpy as np
 from mlx_lm.models import activations, base, gated_delta
 
 from mlxd.engines.chunked_delta import LOG2E, cpu_gated_delta_update
+from mlxd.engines.cpu_gemv import install_cpu_gemv
 from mlxd.engines.depthwise_conv import install_cpu_depthwise_conv
 
 log = logging.getLogger(__name__)
@@ -397,12 +398,14 @@ def install_cpu_prefill_attention(model: Any) -> PrefillAttention | None:
 
     None when not installed (not on CPU, or the installed mlx-lm fails the check).
     Only modules that call mlx-lm's own functions are touched. On CPU the model's own
-    depthwise convolutions are swapped for ``CpuDepthwiseConv1d`` either way (that
-    change ends with the model, nothing to undo).
+    depthwise convolutions are swapped for ``CpuDepthwiseConv1d`` and its float32
+    linear layers for ``cpu_gemv``'s either way (those changes end with the model, nothing to
+    undo).
     """
     if not on_cpu():
         return None
     install_cpu_depthwise_conv(model)
+    install_cpu_gemv(model)
     if not _upstream_ok():
         return None
     # Attention layers may live in another architecture's module (qwen3_5 reuses qwen3_next's).
