@@ -200,6 +200,11 @@ class MirroredPrefixCache(PrefixCache):
 class ShardedLanguageModel(MLXLanguageModel):
     """A text model split over the ranks of an ``mx.distributed`` group (rank 0)."""
 
+    # A host sgemv (``cpu_gemv``) evaluates the graph in the middle of a forward; in a
+    # group whose forward holds collectives, the ranks then stopped answering (the
+    # group's tests timed out at start-up), so sharded models keep MLX's matmuls.
+    HOST_GEMV = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         group = self.options.group

@@ -22,7 +22,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engines.distributed import GREEDY_GROUP, broadcast_tokens, join_group, load_shard
+from mlxd.engines.distributed import (
+    GREEDY_GROUP,
+    ShardedLanguageModel,
+    broadcast_tokens,
+    join_group,
+    load_shard,
+)
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
 from mlxd.engines.prefill import install_cpu_prefill_attention
 from mlxd.engines.prefix_cache import PrefixCache, model_identity
@@ -91,7 +97,7 @@ class Follower:
         self.path, self.options = m["path"], m
         self.model, _, _, _ = load_shard(m["path"], self.group)
         # As rank 0's load does (same numerics); held for the life of this process.
-        install_cpu_prefill_attention(self.model)
+        install_cpu_prefill_attention(self.model, ShardedLanguageModel.HOST_GEMV)
 
     def op_decoder(self, m: dict[str, Any]) -> None:
         opts = self.options

@@ -392,7 +392,7 @@ class PrefillAttention:
                 _Installs.pool = None
 
 
-def install_cpu_prefill_attention(model: Any) -> PrefillAttention | None:
+def install_cpu_prefill_attention(model: Any, gemv: bool = True) -> PrefillAttention | None:
     """Route ``model``'s attention and SwiGLU through the CPU prefill paths until the
     handle's ``undo``.
 
@@ -400,12 +400,14 @@ def install_cpu_prefill_attention(model: Any) -> PrefillAttention | None:
     Only modules that call mlx-lm's own functions are touched. On CPU the model's own
     depthwise convolutions are swapped for ``CpuDepthwiseConv1d`` and its float32
     linear layers for ``cpu_gemv``'s either way (those changes end with the model, nothing to
-    undo).
+    undo). ``gemv=False`` leaves the linear layers to MLX (a sharded model: see
+    ``ShardedTextEngine``).
     """
     if not on_cpu():
         return None
     install_cpu_depthwise_conv(model)
-    install_cpu_gemv(model)
+    if gemv:
+        install_cpu_gemv(model)
     if not _upstream_ok():
         return None
     # Attention layers may live in another architecture's module (qwen3_5 reuses qwen3_next's).

@@ -102,6 +102,8 @@ class MLXLanguageModel:
     """A text LLM loaded with mlx-lm and served through a scheduler."""
 
     kind = "text"
+    # On CPU, decode-sized float32 matmuls go to BLAS's sgemv (``cpu_gemv``).
+    HOST_GEMV = True
 
     def __init__(self, name: str, path: Path, worker: ModelWorker,
                  options: TextEngineOptions | None = None) -> None:
@@ -133,7 +135,7 @@ class MLXLanguageModel:
         except Exception as e:
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self._prefill_attention = install_cpu_prefill_attention(model)
+        self._prefill_attention = install_cpu_prefill_attention(model, self.HOST_GEMV)
         self._weights_bytes = weights_nbytes(model)
         # The wrapper forwards attribute reads to the HF tokenizer (model_max_length).
         ctx = context_length_of(config, tokenizer)
