@@ -20,7 +20,8 @@ tied), for subclasses that compute calls of up to ``MAX_ROWS`` rows as one
 ``sgemv`` a row, in the library that serves MLX's own matmuls. Each such row is
 computed alone, so its output does not depend on what shares the step (up to
 ``MAX_ROWS`` rows, batched equals alone bit for bit). Other calls, other dtypes
-and libraries without ``cblas_sgemv`` keep MLX's matmul. The change lives on
+and libraries without ``cblas_sgemv`` keep MLX's matmul, and so do models
+sharded over a group (``ShardedLanguageModel.HOST_GEMV``). The change lives on
 that model's own modules and ends with it.
 """
 
