@@ -18,8 +18,9 @@ from 155 to 134 ms at 5,000 (steps interleaved in one process, medians).
 ``nn.Linear`` modules, and of its ``nn.Embedding`` (used as the output head when
 tied), for subclasses that compute calls of up to ``MAX_ROWS`` rows as one
 ``sgemv`` a row, in the library that serves MLX's own matmuls. Each such row is
-computed alone, so its output does not depend on what shares the step (up to
-``MAX_ROWS`` rows, batched equals alone bit for bit). Other calls, other dtypes
+computed alone, so these layers' output for a row does not depend on the other
+rows of the call (bit for bit, up to ``MAX_ROWS`` rows; the rest of the model's
+ops still may). Other calls, other dtypes
 and libraries without ``cblas_sgemv`` keep MLX's matmul, and so do models
 sharded over a group (``ShardedLanguageModel.HOST_GEMV``). The change lives on
 that model's own modules and ends with it.

@@ -399,9 +399,9 @@ def install_cpu_prefill_attention(model: Any, gemv: bool = True) -> PrefillAtten
     None when not installed (not on CPU, or the installed mlx-lm fails the check).
     Only modules that call mlx-lm's own functions are touched. On CPU the model's own
     depthwise convolutions are swapped for ``CpuDepthwiseConv1d`` and its float32
-    linear layers for ``cpu_gemv``'s either way (those changes end with the model, nothing to
-    undo). ``gemv=False`` leaves the linear layers to MLX (a sharded model: see
-    ``ShardedTextEngine``).
+    linear layers for ``cpu_gemv``'s either way (those changes end with the model,
+    nothing to undo). ``gemv=False`` leaves the linear layers to MLX (a sharded model:
+    see ``ShardedLanguageModel.HOST_GEMV``).
     """
     if not on_cpu():
         return None
