@@ -15,11 +15,11 @@ PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test serve test lint format bench clean openblas chromium espeak-ng
+.PHONY: setup setup-test serve test lint format bench clean openblas chromium espeak-ng agents
 
 setup: $(VENV)/.mlxd-installed openblas espeak-ng
 
-setup-test: setup $(VENV)/.mlxd-test-installed chromium
+setup-test: setup $(VENV)/.mlxd-test-installed chromium agents
 
 $(VENV)/.mlxd-installed: pyproject.toml requirements/starter-models.txt \
 		requirements/audio-no-deps.txt
@@ -89,6 +89,20 @@ espeak-ng:
 	     || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q espeak-ng >/dev/null 2>&1)) \
 	    || echo "note: could not install espeak-ng; text-to-speech voices will not load"; \
 	  else echo "note: text-to-speech voices need espeak-ng (sudo apt-get install espeak-ng, brew install espeak-ng)"; fi; \
+	fi
+
+# The coding agents that tests/test_agent_clients.py drives against a real server, pinned,
+# from the npm registry into $(VENV)/agents (node is on every machine we support). Best
+# effort like openblas: without npm the tests skip, naming the packages. AGENTS=skip skips.
+AGENTS ?= install
+AGENT_CLIENTS ?= @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+agents:
+	@if [ "$(AGENTS)" = install ] && [ "$$(cat $(VENV)/agents/.pinned 2>/dev/null)" != "$(AGENT_CLIENTS)" ]; then \
+	  if command -v npm >/dev/null 2>&1; then \
+	    (npm install --prefix $(VENV)/agents --no-audit --no-fund --loglevel=error $(AGENT_CLIENTS) >/dev/null 2>&1 \
+	     && echo "$(AGENT_CLIENTS)" > $(VENV)/agents/.pinned) \
+	    || echo "note: could not install $(AGENT_CLIENTS); the agent-client tests will skip"; \
+	  else echo "note: the agent-client tests need npm (node 18+) to install $(AGENT_CLIENTS)"; fi; \
 	fi
 
 bench: setup-test
