@@ -24,6 +24,7 @@ from mlxd.models.manager import ModelLease
 from mlxd.models.spec import Family, ModelKind, ServingDefaults
 from mlxd.server.context import ServerContext
 from mlxd.server.observe import current_record
+from mlxd.server.sse import with_keepalive
 
 if TYPE_CHECKING:
     from mlxd.engines.base import PreparedPrompt
@@ -130,10 +131,11 @@ class TextSession:
     """
 
     def __init__(self, lease: ModelLease[TextGenerator], prepared: PreparedPrompt,
-                 n: int) -> None:
+                 n: int, keepalive_interval: float = 5.0) -> None:
         self.lease = lease
         self.prepared = prepared
         self.n = n
+        self.keepalive_interval = keepalive_interval
 
     @property
     def model_name(self) -> str:
@@ -160,7 +162,7 @@ class TextSession:
         except BaseException:
             await lease.release()
             raise
-        return cls(lease, prepared, n)
+        return cls(lease, prepared, n, ctx.config.keepalive_interval)
 
     async def close(self) -> None:
         await self.lease.release()
@@ -185,6 +187,12 @@ class TextSession:
                         first[index] = now
                         record.first_output(now)
                 yield index, ev
+
+    def stream(self) -> AsyncIterator[tuple[int, Event] | None]:
+        """``events()`` for a streaming response: ``None`` marks each keep-alive interval
+        that passed without an event (see ``sse.with_keepalive``); every streaming route
+        renders it as its API's keep-alive."""
+        return with_keepalive(self.events(), self.keepalive_interval)
 
     async def _events(self) -> AsyncGenerator[tuple[int, Event], None]:
         if self.n == 1:
