@@ -23,11 +23,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
-from mlxd.engines.prompt_limits import CHUNK_CHARS, char_bound, check_token_ids, reaches, text_chars
+from mlxd.engines.prompt_limits import (
+    CHUNK_CHARS,
+    char_bound,
+    check_token_ids,
+    count_chunked,
+    reaches,
+    text_chars,
+)
 from mlxd.engines.structured import GrammarTokenizer
-from mlxd.errors import InvalidRequest
+from mlxd.errors import ContextOverflow, InvalidRequest
 from mlxd.generation.chat import (
     content_text,
+    fold_late_system,
+    late_system_indices,
     template_messages,
     template_supports_tools,
     tools_system_prompt,
@@ -164,7 +173,8 @@ class InputProcessor:
             raise InvalidRequest("Give a prompt (text) or messages to tokenise.", param="prompt")
         tokens = self._encode(text, add_special_tokens, param)
         if len(tokens) >= self.limits.context_length:
-            raise self._too_long(f"your prompt has {len(tokens)} tokens", param)
+            raise self._too_long(f"your prompt has {len(tokens)} tokens", param,
+                                 tokens=len(tokens), counted=True)
         return tokens
 
     def token_strings(self, tokens: list[int]) -> list[str]:
@@ -230,10 +240,27 @@ class InputProcessor:
 
     def _apply_template(self, request: GenerationRequest, messages: list[dict[str, Any]],
                         kwargs: dict[str, Any]) -> str:
-        tok = self.tokenizer
-        if tok.chat_template is None:
+        """The rendered prompt. A system message after the first turn stays a system turn
+        where the template renders it there; a template that refuses it or leaves it out
+        gets it folded into the leading system message instead (``fold_late_system``)."""
+        if self.tokenizer.chat_template is None:
             raise InvalidRequest(
                 f"Model '{self.name}' has no chat template; use /v1/completions instead.")
+        late = late_system_indices(messages)
+        if late:
+            try:
+                text = self._render(request, messages, kwargs)
+            except InvalidRequest:
+                text = None
+            texts = [messages[i]["content"] for i in late]
+            if text is not None and all(isinstance(t, str) and t in text for t in texts):
+                return text
+            messages = fold_late_system(messages)
+        return self._render(request, messages, kwargs)
+
+    def _render(self, request: GenerationRequest, messages: list[dict[str, Any]],
+                kwargs: dict[str, Any]) -> str:
+        tok = self.tokenizer
         try:
             return cast(str, tok.apply_chat_template(
                 messages, tokenize=False,
@@ -274,32 +301,39 @@ class InputProcessor:
     def _check_chars(self, n_chars: int, param: str) -> None:
         """Refuse text that cannot fit in the context without tokenising it."""
         ctx = self.limits.context_length
-        if n_chars > char_bound(ctx, self.limits.token_chars):
+        bound = char_bound(ctx, self.limits.token_chars)
+        if n_chars > bound:
             raise self._too_long(f"your prompt has {n_chars} characters, more than "
-                                 f"{ctx} tokens can hold", param)
+                                 f"{ctx} tokens can hold", param,
+                                 tokens=n_chars * ctx // bound, counted=False)
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Tokenise ``text``, refusing oversized text before a full tokenisation."""
         self._check_chars(len(text), param)
         ctx = self.limits.context_length
-        if len(text) > CHUNK_CHARS and reaches(
-                lambda t: self.tokenizer.encode(t, add_special_tokens=False), text, ctx):
-            raise self._too_long(f"your prompt has more than {ctx} tokens", param)
+
+        def encode(t: str) -> list[int]:
+            return cast(list[int], self.tokenizer.encode(t, add_special_tokens=False))
+
+        if len(text) > CHUNK_CHARS and reaches(encode, text, ctx):
+            n = max(ctx, count_chunked(encode, text))
+            raise self._too_long(f"your prompt has more than {ctx} tokens", param,
+                                 tokens=n, counted=True)
         return cast(list[int], self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _too_long(self, detail: str, param: str) -> InvalidRequest:
-        return InvalidRequest(
+    def _too_long(self, detail: str, param: str, *, tokens: int,
+                  counted: bool) -> ContextOverflow:
+        return ContextOverflow(
             f"This model's maximum context length is {self.limits.context_length} tokens. "
             f"However, {detail}, leaving no room for the completion.",
-            param=param, code="context_length_exceeded")
+            param=param, prompt_tokens=tokens, context=self.limits.context_length,
+            counted=counted)
 
     def _check_limits(self, n_prompt: int, max_tokens: int | None) -> int:
         ctx = self.limits.context_length
         if n_prompt >= ctx:
-            raise InvalidRequest(
-                f"This model's maximum context length is {ctx} tokens. However, your prompt "
-                f"has {n_prompt} tokens, leaving no room for the completion.",
-                param="messages", code="context_length_exceeded")
+            raise self._too_long(f"your prompt has {n_prompt} tokens", "messages",
+                                 tokens=n_prompt, counted=True)
         if max_tokens is None:
             return min(self.limits.default_max_tokens, ctx - n_prompt)
         if n_prompt + max_tokens > ctx:

@@ -119,6 +119,18 @@ def reaches(encode: Callable[[str], list[int]], text: str, limit: int) -> bool:
     return False
 
 
+def count_chunked(encode: Callable[[str], list[int]], text: str) -> int:
+    """Tokens of ``text`` counted one chunk at a time (memory bounded by a chunk); never
+    more than the true count (each chunk's count is reduced by the split slack)."""
+    count = 0
+    start = 0
+    while start < len(text):
+        end = _cut(text, start + CHUNK_CHARS)
+        count += max(0, len(encode(text[start:end])) - CHUNK_SLACK_TOKENS)
+        start = end
+    return count
+
+
 def _cut(text: str, end: int) -> int:
     """A chunk end at whitespace near ``end`` where there is one (fewer split tokens)."""
     if end >= len(text):

@@ -105,7 +105,8 @@ class VisionInputProcessor(InputProcessor):
         arrays = self._process(text, images, videos, fps)
         tokens = [int(t) for t in arrays["input_ids"][0].tolist()]
         if len(tokens) >= self.limits.context_length:
-            raise self._too_long(f"your prompt has {len(tokens)} tokens", "messages")
+            raise self._too_long(f"your prompt has {len(tokens)} tokens", "messages",
+                                 tokens=len(tokens), counted=True)
         return tokens
 
     def _process(self, text: str, images: list[Any], videos: list[Any],
