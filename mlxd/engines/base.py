@@ -82,10 +82,6 @@ class TextGenerator(ModelEngine, Protocol):
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Token ids as text (special tokens included)."""
 
-    def limit_max_tokens(self, prepared: PreparedPrompt, max_tokens: int) -> int:
-        """Generate at most ``max_tokens``, cut to the room the context leaves; returns
-        the limit set (less than ``max_tokens`` when the context is the limit)."""
-
     async def prompt_logprobs(self, prepared: PreparedPrompt,
                               top: int) -> list[TokenLogprob]:
         """One entry per prompt token, each with its log-probability given the tokens

@@ -198,7 +198,8 @@ def is_prefill(messages: list[dict[str, Any]]) -> bool:
 
 
 def generation_request(req: MessagesInput, defaults: ServingDefaults) -> GenerationRequest:
-    """Everything but ``max_tokens``, which the route clamps to the context (see routes)."""
+    """The request as a ``GenerationRequest``; ``max_tokens`` is capped to the context
+    when the prompt is prepared (``generation/output_length.py``)."""
     tools = tool_specs(req)
     choice = tool_choice(req.tool_choice, tools)
     messages = canonical_messages(req)
@@ -213,4 +214,5 @@ def generation_request(req: MessagesInput, defaults: ServingDefaults) -> Generat
             logit_bias=None, defaults=defaults)
         gen.stop = [s for s in req.stop_sequences or [] if s]
         gen.constraint = constraint(req)
+        gen.max_tokens = req.max_tokens or None  # 0: nothing is generated (see the route)
     return gen

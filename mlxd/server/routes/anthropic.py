@@ -6,10 +6,10 @@ assembler serves the streaming and the non-streaming response, so both carry
 the same blocks. Errors are rendered in Anthropic's shape by
 ``server/errors.py`` (it switches on the ``/v1/messages`` path).
 
-``max_tokens`` is a cap: when it does not fit in the context left after the
-prompt, generation stops at the end of the context with
-``stop_reason: model_context_window_exceeded`` (clients such as Claude Code
-ask for more output tokens than a small local model's context holds).
+``max_tokens`` is capped to the context the prompt leaves, as in every API
+(``generation/output_length.py``): generation then stops at the end of the
+context with ``stop_reason: model_context_window_exceeded`` (clients such as
+Claude Code ask for more output tokens than a small local model's context holds).
 """
 
 from __future__ import annotations
@@ -132,11 +132,9 @@ def usage_anthropic(usage: Usage) -> dict[str, int]:
 
 
 def clamp_max_tokens(session: TextSession, max_tokens: int) -> bool:
-    """Generate at most ``max_tokens``, and no further than the context ends.
-
-    Returns True when the context, not ``max_tokens``, is the limit.
-    """
-    return session.engine.limit_max_tokens(session.prepared, max_tokens) < max_tokens
+    """True when the context, not ``max_tokens``, is the limit (the request policy
+    capped it when the prompt was prepared)."""
+    return max_tokens > 0 and session.context_limited
 
 
 def _message(mid: str, model: str, content: list[dict[str, Any]], reason: str | None,
