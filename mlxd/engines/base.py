@@ -76,6 +76,10 @@ class TextGenerator(ModelEngine, Protocol):
     def count_tokens(self, prepared: PreparedPrompt) -> int:
         """Tokens the prepared prompt takes in the context (media placeholders included)."""
 
+    def cached_tokens(self, prepared: PreparedPrompt) -> int:
+        """Prompt tokens the prefix cache would supply if the prompt were admitted now
+        (an estimate: other requests may change the cache before it is)."""
+
     def prompt_text(self, prepared: PreparedPrompt) -> str:
         """The prompt as text: what ``echo`` returns and what the model reads."""
 

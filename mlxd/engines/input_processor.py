@@ -79,6 +79,8 @@ class PreparedPrompt:
     media: tuple[MediaItem, ...] = ()  # in prompt order; text models have none
     cache_salt: str | None = None  # separates prefix-cache entries (vLLM's cache_salt)
     cache_key: str | None = None  # keeps a shared prefix resident (``prompt_cache_key``)
+    # (prefix length in tokens, seconds): prefixes to keep resident (``cache_control``)
+    cache_pins: tuple[tuple[int, float], ...] = ()
     # Token offsets inside the prompt worth a prefix-cache checkpoint (where the leading
     # system messages end), for models whose cache cannot be cut back to a prefix.
     checkpoints: tuple[int, ...] = ()
@@ -153,6 +155,7 @@ class InputProcessor:
                               fmt, self._grammar(request, fmt),
                               context_limited=limit.context_limited, media=media,
                               cache_salt=request.cache_salt, cache_key=request.cache_key,
+                              cache_pins=self._cache_pins(request, tokens),
                               checkpoints=checkpoints)
 
     def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> list[int]:
@@ -267,6 +270,30 @@ class InputProcessor:
         end = next((i for i, (a, b) in enumerate(zip(head_ids, tokens)) if a != b),
                    min(len(head_ids), len(tokens)))
         return (end,) if 0 < end < len(tokens) - 1 else ()
+
+    def _cache_pins(self, request: GenerationRequest,
+                    tokens: list[int]) -> tuple[tuple[int, float], ...]:
+        """Each ``cache_marks`` entry as (prefix length in tokens, seconds): the tokens the
+        prompt shares with its first messages rendered alone (the system prompt and tools
+        before an empty user turn, for a mark on them)."""
+        pins: dict[int, float] = {}
+        for mark in request.cache_marks:
+            head = list((request.messages or [])[:mark.messages])
+            if not any(m.get("role") != "system" for m in head):
+                head.append({"role": "user", "content": ""})
+            part = replace(request, messages=head, add_generation_prompt=False,
+                           continue_final_message=False)
+            try:
+                messages, kwargs, _ = self._template_input(part)
+                text = self._apply_template(part, messages, kwargs)
+            except InvalidRequest:  # a template that refuses the part: no pin, no error
+                continue
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            end = next((i for i, (a, b) in enumerate(zip(ids, tokens)) if a != b),
+                       min(len(ids), len(tokens)))
+            if end > 0:
+                pins[end] = max(pins.get(end, 0.0), mark.ttl_s)
+        return tuple(sorted(pins.items()))
 
     def _checked_sampling(self, request: GenerationRequest) -> GenerationRequest:
         """400 for token ids outside the vocabulary; ``top_k`` >= vocabulary means off."""

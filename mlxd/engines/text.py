@@ -353,6 +353,13 @@ class MLXLanguageModel:
     def count_tokens(self, prepared: PreparedPrompt) -> int:
         return len(prepared.tokens)
 
+    def cached_tokens(self, prepared: PreparedPrompt) -> int:
+        pc = self.prefix_cache
+        if pc is None or len(prepared.tokens) < 2:
+            return 0
+        namespace = pc.namespace(prepared.media_hashes, prepared.cache_salt)
+        return min(pc.peek(prepared.tokens, namespace), len(prepared.tokens) - 1)
+
     def prompt_text(self, prepared: PreparedPrompt) -> str:
         return prepared.prompt_text
 

@@ -83,6 +83,16 @@ class Constraint:
     value: Any = None
 
 
+@dataclass(frozen=True)
+class CacheMark:
+    """Keep the prompt's prefix up to the end of its first ``messages`` messages (0: the
+    system prompt and the tools alone) in the prefix cache for ``ttl_s`` seconds
+    (Anthropic's ``cache_control``)."""
+
+    messages: int
+    ttl_s: float
+
+
 @dataclass
 class GenerationRequest:
     """One request to a text engine. Exactly one of ``messages``/``prompt`` is set."""
@@ -108,3 +118,4 @@ class GenerationRequest:
     # Requests with the same key share a prompt prefix worth keeping (OpenAI's
     # ``prompt_cache_key``): the prefix cache keeps it resident ahead of LRU eviction.
     cache_key: str | None = None
+    cache_marks: list[CacheMark] = field(default_factory=list)

@@ -30,6 +30,7 @@ from mlxd.protocol.anthropic import (
     VideoBlock,
 )
 from mlxd.protocol.anthropic import ToolChoice as AnthropicToolChoice
+from mlxd.server.anthropic_cache import cache_marks
 from mlxd.server.text_session import sampling_params
 from mlxd.server.tool_checks import (
     check_json_schema,
@@ -206,7 +207,8 @@ def generation_request(req: MessagesInput, defaults: ServingDefaults) -> Generat
     prefill = is_prefill(messages)
     gen = GenerationRequest(messages=messages, tools=tools, tool_choice=choice,
                             chat_template_kwargs=template_kwargs(req, defaults),
-                            add_generation_prompt=not prefill, continue_final_message=prefill)
+                            add_generation_prompt=not prefill, continue_final_message=prefill,
+                            cache_marks=cache_marks(req, canonical_messages))
     if isinstance(req, MessagesRequest):
         gen.sampling = sampling_params(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None,

@@ -150,6 +150,11 @@ class TextSession:
         return self.prepared.context_limited
 
     @property
+    def cache_pins(self) -> tuple[tuple[int, float], ...]:
+        """The prompt prefixes the request marked for caching, (tokens, seconds)."""
+        return self.prepared.cache_pins
+
+    @property
     def prompt_tokens(self) -> int:
         """Tokens the prompt takes in the context (what usage reports)."""
         return self.engine.count_tokens(self.prepared)
