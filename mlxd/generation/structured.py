@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxd.errors import InvalidRequest
-from mlxd.generation.params import Constraint, ToolChoice, ToolSpec
+from mlxd.generation.params import Constraint, InputGrammar, ToolChoice, ToolSpec
 from mlxd.generation.schema_limits import check_schema_depth, check_schema_satisfiable
 from mlxd.generation.tools import BUILTIN_TOOL_PARSERS, ToolCallFormat
 
@@ -63,6 +63,8 @@ def grammar_for(constraint: Constraint) -> str:
         if not isinstance(constraint.value, str) or not constraint.value.strip():
             raise InvalidRequest("grammar must be a non-empty Lark grammar.", param="grammar")
         return LLMatcher.grammar_from_lark(constraint.value)
+    if constraint.kind == "llguidance":  # a ready TopLevelGrammar (JSON), built here
+        return str(constraint.value)
     raise InvalidRequest(f"Unknown constraint kind {constraint.kind!r}")
 
 
@@ -92,18 +94,72 @@ def tool_call_constraint(tools: list[ToolSpec], choice: ToolChoice, fmt: ToolCal
         chosen = list(tools)
     if not chosen:
         raise InvalidRequest("tool_choice needs at least one matching tool.", param="tool_choice")
-    for t in chosen:
-        _check_json_schema(t.parameters)
-    schema: dict[str, Any] = (_call_schema(chosen[0]) if len(chosen) == 1
-                              else {"anyOf": [_call_schema(t) for t in chosen]})
-    # Compact JSON: flexible whitespace lets a weak model pad forever.
-    schema["x-guidance"] = {"whitespace_flexible": False}
-    body = "%json " + json.dumps(schema)
+    functions = [t for t in chosen if not t.freeform]
+    freeform = [t for t in chosen if t.freeform]
     start = literal(fmt.start) if fmt.start else None
     end = literal(fmt.end) if fmt.end else None
     parts = [p for p in (start, "call", end) if p]
-    lark = f"start: {' '.join(parts)}\ncall: {body}\n"
-    return Constraint("lark", lark)
+    rules = [f"start: {' '.join(parts)}"]
+    alternatives = []
+    if functions:
+        for t in functions:
+            _check_json_schema(t.parameters)
+        schema: dict[str, Any] = (_call_schema(functions[0]) if len(functions) == 1
+                                  else {"anyOf": [_call_schema(t) for t in functions]})
+        # Compact JSON: flexible whitespace lets a weak model pad forever.
+        schema["x-guidance"] = {"whitespace_flexible": False}
+        rules.append(f"json_call: %json {json.dumps(schema)}")
+        alternatives.append("json_call")
+    subgrammars: list[dict[str, Any]] = []
+    # A textual end marker closes plain text as its suffix; one that is a single
+    # token can never appear in text.
+    textual_end = bool(fmt.end) and end == json.dumps(fmt.end)
+    for i, t in enumerate(freeform):
+        # A freeform call is written raw: the tool's name, a newline, the input text.
+        head = json.dumps(t.name + "\n")
+        if t.grammar is not None:
+            subgrammars.append({"name": f"input_{i}", "lark_grammar": _input_lark(t.grammar)})
+            rules.append(f"text_{i}: {head} @input_{i}")
+        else:
+            rules.append(f"text_{i}: {head} text_body_{i}")
+            option = f"[suffix={json.dumps(fmt.end)}]" if textual_end else ""
+            rules.append(f"text_body_{i}{option}: /(?s:.*)/")
+        alternatives.append(f"text_{i}")
+    if textual_end and any(t.grammar is None for t in freeform):
+        # the suffix already wrote the end marker after plain text
+        rules[0] = f"start: {' '.join(p for p in (start, 'call') if p)}"
+        alternatives = [a if a.startswith("text_") and freeform[int(a[5:])].grammar is None
+                        else f"{a} {end}" for a in alternatives]
+    rules.append("call: " + " | ".join(alternatives))
+    lark = "\n".join(rules) + "\n"
+    if not freeform:
+        return Constraint("lark", lark)
+    top = {"grammars": [{"lark_grammar": lark}, *subgrammars]}
+    return Constraint("llguidance", json.dumps(top))
+
+
+def _input_lark(grammar: InputGrammar) -> str:
+    """A freeform tool's grammar as Lark (a regex becomes a one-rule grammar)."""
+    if grammar.syntax == "lark":
+        return grammar.definition
+    from llguidance import LLMatcher
+
+    top = json.loads(LLMatcher.grammar_from_regex(grammar.definition))
+    return str(top["grammars"][0]["lark_grammar"])
+
+
+def check_input_grammar(grammar: InputGrammar, param: str) -> None:
+    """A 400 naming the problem when a freeform tool's grammar does not compile."""
+    from llguidance import LLMatcher
+
+    try:
+        lark = _input_lark(grammar)
+    except ValueError as e:
+        raise InvalidRequest(f"Invalid {grammar.syntax} grammar: {e}", param=param) from None
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(lark, None)
+    if is_error:
+        first = messages[0].strip() if messages else "error"
+        raise InvalidRequest(f"Invalid {grammar.syntax} grammar: {first}", param=param)
 
 
 def forced_tool_format(fmt: ToolCallFormat | None) -> ToolCallFormat:
