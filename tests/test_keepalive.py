@@ -136,3 +136,26 @@ def test_openai_sdk_reads_a_responses_stream_with_keepalives(long_server: Runnin
         kinds = [event.type for event in stream]
     assert kinds.count("response.in_progress") >= 3
     assert kinds[-1] in ("response.completed", "response.incomplete")
+
+
+def test_a_disconnect_during_prefill_still_cancels(long_server: RunningServer,
+                                                   idle_timeout: float) -> None:
+    """Keep-alives do not keep a request alive once its client has gone: closing the
+    stream at the first keep-alive stops the prefill well before it would finish (the
+    prefill takes about four idle timeouts, see ``idle_timeout``)."""
+    engine = long_server.ctx.manager.get("long").engine
+    body = {"model": "long", "messages": [{"role": "user", "content": long_prompt(5)}],
+            "max_tokens": 64, "stream": True}
+    with httpx.Client(base_url=long_server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            while next(lines) != ": keep-alive":
+                pass
+            busy = engine.stats()
+            gone = time.monotonic()
+    while engine.stats()["running"] + engine.stats()["waiting"] and \
+            time.monotonic() - gone < 2 * idle_timeout:
+        time.sleep(0.01)
+    assert busy["running"] + busy["waiting"] == 1, busy  # it was being prefilled
+    assert engine.stats()["running"] + engine.stats()["waiting"] == 0
+    assert long_server.ctx.manager.get("long").leases == 0
