@@ -53,6 +53,16 @@ class ContextOverflow(InvalidRequest):
         self.context = context
         self.counted = counted
 
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only fields survive a pickle
+        return (_context_overflow, (self.message, self.prompt_tokens, self.context,
+                                    self.counted, self.param))
+
+
+def _context_overflow(message: str, prompt_tokens: int, context: int, counted: bool,
+                      param: str | None) -> ContextOverflow:
+    return ContextOverflow(message, prompt_tokens=prompt_tokens, context=context,
+                           counted=counted, param=param)
+
 
 class AuthenticationError(MlxdError):
     status = 401

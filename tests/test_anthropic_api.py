@@ -204,6 +204,18 @@ def test_count_tokens_counts_beyond_the_context(http: httpx.Client, chars: int) 
                            f"prompt is too long: {tokens} tokens > 2047 maximum")
 
 
+def test_context_overflow_keeps_its_numbers_through_a_pickle() -> None:
+    """The numbers behind 'prompt is too long' survive crossing a process boundary."""
+    import pickle
+
+    from mlxd.errors import ContextOverflow
+
+    error = pickle.loads(pickle.dumps(ContextOverflow(
+        "too long", prompt_tokens=3000, context=2048, counted=True, param="messages")))
+    assert (error.prompt_tokens, error.context, error.counted, error.param, error.code) == \
+        (3000, 2048, True, "messages", "context_length_exceeded")
+
+
 def test_system_message_inside_messages_is_a_system_turn_in_place(
         client: anthropic.Anthropic, loader: ScriptedLoader) -> None:
     """Claude Code's mid-conversation system message: this model's template renders a
