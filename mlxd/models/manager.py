@@ -387,15 +387,23 @@ class ModelManager:
         for name in names:
             await self.load(name)
 
+    def idle_ttl(self, res: ResidencyManager) -> float | None:
+        """Idle seconds before ``res`` unloads: a client's ``keep_alive``, else the entry's
+        ``ttl_seconds``, else the server's default (None: never; pinned models never)."""
+        if res.pinned:
+            return None
+        for ttl in (res.keep_alive, res.entry.ttl_seconds, self.policy.idle_unload_seconds):
+            if ttl is not None:
+                return ttl
+        return None
+
     async def _reap(self) -> None:
         """Unload models idle past their TTL (per model, or the manager default)."""
         while not self._closing:
             await asyncio.sleep(self.policy.reaper_interval_s)
             now = time.monotonic()
             for res in list(self._models.values()):
-                ttl = res.entry.ttl_seconds
-                if ttl is None:
-                    ttl = self.policy.idle_unload_seconds
+                ttl = self.idle_ttl(res)
                 if ttl is None or res.pinned or res.state != State.LOADED or res.leases:
                     continue
                 if res.idle_for(now) >= ttl:

@@ -38,6 +38,7 @@ from mlxd.server.routes import (
     health,
     metrics,
     models,
+    ollama,
     playground,
     rerank,
     responses,
@@ -100,7 +101,7 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
     install_error_handlers(app)
     install_openapi(app, config)
     for module in (health, models, chat, completions, responses, anthropic, embeddings, rerank,
-                   tokenize, metrics, playground, speech):
+                   tokenize, metrics, playground, speech, ollama):
         app.include_router(module.router)
     app.include_router(transcriptions.router)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_api_key)

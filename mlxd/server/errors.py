@@ -2,6 +2,7 @@
 
 OpenAI: ``{"error": {"message", "type", "param", "code"}}``.
 Anthropic (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}``.
+Ollama (``/api/*``): ``{"error": "message"}``.
 Validation errors and malformed JSON are 400s; nothing a client sends
 produces a 500.
 """
@@ -38,8 +39,15 @@ def is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages")
 
 
+def is_ollama(path: str) -> bool:
+    """Ollama's native API answers errors as ``{"error": "message"}``."""
+    return path.startswith("/api/")
+
+
 def error_body(request: Request, status: int, message: str, *, error_type: str | None = None,
                param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    if is_ollama(request.url.path):
+        return {"error": message}
     if is_anthropic(request):
         return {"type": "error",
                 "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}

@@ -13,12 +13,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 PUBLIC_PATHS = frozenset({"/health", "/healthz", "/", "/ui"})
 PUBLIC_PREFIXES = ("/ui/",)
 ADMIN_ROUTES = (("POST", "/v1/models/load"), ("POST", "/v1/models/unload"),
-                ("PUT", "/v1/models"), ("DELETE", "/v1/models/"))
+                ("PUT", "/v1/models"), ("DELETE", "/v1/models/"),
+                ("POST", "/api/pull"), ("DELETE", "/api/delete"))
 
 
 def _error_payload(path: str, status: int, message: str, kind: str) -> bytes:
-    if path.startswith("/v1/messages"):
-        body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+    if path.startswith("/api/"):  # Ollama's shape
+        body: dict[str, Any] = {"error": message}
+    elif path.startswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": kind, "message": message}}
     else:
         body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     return json.dumps(body).encode()
