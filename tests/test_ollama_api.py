@@ -272,7 +272,17 @@ def test_unknown_options_are_ignored(client: ollama.Client) -> None:
     assert r.done
 
 
+def test_logprobs_describe_each_generated_token(client: ollama.Client) -> None:
+    r = client.generate(model="tiny", prompt="hi", logprobs=True, top_logprobs=2,
+                        options={"num_predict": 3, "temperature": 1.0, "seed": 7})
+    assert len(r.logprobs or []) == r.eval_count == 3
+    for lp in r.logprobs or []:
+        assert lp.logprob <= 0 and len(lp.top_logprobs or []) == 2
+
+
 def test_generate_refuses_what_it_cannot_honour(client: ollama.Client) -> None:
+    refused(lambda: client.chat(model="tiny", messages=HI, think=True), 400,
+            "does not support thinking")
     refused(lambda: client.generate(model="tiny", prompt="def f(", suffix="return 1"), 400,
             "suffix")
     refused(lambda: client.generate(model="tiny", prompt="hi", context=[1, 2, 3]), 400,
