@@ -159,6 +159,14 @@ def test_a_tool_result_answers_the_call_it_follows(scripted: ollama.Client,
     call_id = re.search(r'<tool_call>\{"id": "([^"]+)", "name": "get_weather"', prompt)
     assert call_id, prompt
     assert f'<tool_response id="{call_id.group(1)}">sunny, 21C</tool_response>' in prompt
+    # what other clients send: null content, arguments as JSON text, the call's id
+    messages[1] = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    messages[2] = {"role": "tool", "content": "sunny, 21C", "tool_call_id": "c1"}
+    r = httpx.post(loader_url(scripted) + "/api/chat", json={
+        "model": "agent", "messages": messages, "stream": False})
+    assert r.status_code == 200, r.text
+    assert '<tool_response id="c1">sunny, 21C</tool_response>' in loader.last_prompt
 
 
 def test_think_splits_reasoning_into_thinking(scripted: ollama.Client,

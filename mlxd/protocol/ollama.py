@@ -54,7 +54,7 @@ class Options(_Lenient):
 
 class ToolCallFunction(_Lenient):
     name: str = Field(min_length=1)
-    arguments: dict[str, Any] = Field(default_factory=dict)
+    arguments: dict[str, Any] | str = Field(default_factory=dict)  # a str: JSON text
     index: StrictInt | None = None
 
 
@@ -65,7 +65,7 @@ class ToolCall(_Lenient):
 
 class Message(_Lenient):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str | None = None  # None: empty
     thinking: str | None = None
     images: list[StrictStr] | None = None  # base64, for vision models
     tool_calls: list[ToolCall] | None = None

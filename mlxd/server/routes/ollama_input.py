@@ -126,16 +126,18 @@ def _with_images(text: str, images: list[str] | None, where: str) -> str | list[
 
 
 def _assistant(message: Message, pending: list[tuple[str, str]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": "assistant", "content": message.content}
+    out: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
     if message.thinking:
         out["reasoning_content"] = message.thinking
     calls = []
     for call in message.tool_calls or []:
         call_id = call.id or f"call_{uuid.uuid4().hex[:24]}"
         pending.append((call_id, call.function.name))
+        arguments = call.function.arguments
         calls.append({"id": call_id, "type": "function", "function": {
             "name": call.function.name,
-            "arguments": json.dumps(call.function.arguments, ensure_ascii=False)}})
+            "arguments": arguments if isinstance(arguments, str) else
+            json.dumps(arguments, ensure_ascii=False)}})
     if calls:
         out["tool_calls"] = calls
     return out
@@ -149,7 +151,8 @@ def _tool_result(message: Message, pending: list[tuple[str, str]]) -> dict[str, 
         call_id = pending.pop(match)[0] if match is not None else f"call_{uuid.uuid4().hex[:24]}"
     else:
         pending[:] = [p for p in pending if p[0] != call_id]
-    out: dict[str, Any] = {"role": "tool", "content": message.content, "tool_call_id": call_id}
+    out: dict[str, Any] = {"role": "tool", "content": message.content or "",
+                           "tool_call_id": call_id}
     if message.tool_name:
         out["name"] = message.tool_name
     return out
@@ -165,7 +168,7 @@ def canonical_messages(messages: list[Message]) -> list[dict[str, Any]]:
             out.append(_tool_result(message, pending))
         else:
             out.append({"role": message.role, "content": _with_images(
-                message.content, message.images, f"messages[{i}].images")})
+                message.content or "", message.images, f"messages[{i}].images")})
     return out
 
 
