@@ -331,6 +331,8 @@ def test_keep_alive_sets_idle_unload_and_ps_reports_it(client: ollama.Client) ->
     client.generate(model="tiny", prompt="hi", options={"num_predict": 1}, keep_alive=-1)
     (running,) = [m for m in client.ps().models if m.model == "tiny"]
     assert running.expires_at.year == 9999
+    client.generate(model="tiny", prompt="hi", options={"num_predict": 1}, keep_alive=1e300)
+    assert [m.expires_at.year for m in client.ps().models if m.model == "tiny"] == [9999]
     r = client.generate(model="tiny", prompt="hi", options={"num_predict": 1}, keep_alive=0)
     assert r.done and "tiny" not in {m.model for m in client.ps().models}
     r = client.chat(model="tiny", messages=[])  # load only

@@ -13,7 +13,6 @@ import asyncio
 import datetime as dt
 import hashlib
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ router.include_router(ollama_pull.router)
 OLLAMA_API_VERSION = "0.32.15"
 OLLAMA_KINDS = (ModelKind.TEXT, ModelKind.VISION, ModelKind.EMBEDDING)
 NEVER = "9999-12-31T23:59:59Z"  # expires_at of a model that is never unloaded for idleness
+MAX_TTL_S = 100 * 365 * 86400.0
 
 
 def iso(wall: float) -> str:
@@ -139,10 +139,9 @@ def listed(ctx: ServerContext) -> list[ResidencyManager]:
 
 def expires_at(ctx: ServerContext, res: ResidencyManager) -> str:
     ttl = ctx.manager.idle_ttl(res)
-    if ttl is None or math.isinf(ttl):
+    if ttl is None or ttl > MAX_TTL_S:  # inf, or past any date worth writing
         return NEVER
-    idle = res.idle_for()
-    return iso(time.time() + max(0.0, ttl - idle))
+    return iso(time.time() + max(0.0, ttl - res.idle_for()))
 
 
 @router.get("/api/tags", response_model=ListResponse)
