@@ -30,6 +30,9 @@ class ServerConfig(BaseSettings):
     models_config: Path | None = Field(None, description="Registry YAML file")
     home: Path = Field(default_factory=default_home)
     no_starter: bool = False
+    # Start with no model at all (an admin adds them with PUT /v1/models); a missing
+    # --models-config file is then created by the first PUT. Off: both are startup errors.
+    allow_no_models: bool = False
     require_qualified: bool = False
     trust_remote_code: bool = False
 

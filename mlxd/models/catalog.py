@@ -235,6 +235,10 @@ def build_catalog(config: ServerConfig) -> Catalog:
     default_registry = config.home / "models.yaml"
     if config.models_config is not None:
         registry = RegistryFile(config.models_config)
+        if not registry.exists() and not config.allow_no_models:
+            raise CatalogError(f"--models-config {config.models_config}: no such file (give "
+                               "an existing registry YAML, or --allow-no-models to start "
+                               "empty and let PUT /v1/models create it)")
     elif config.model is None and default_registry.exists():
         registry = RegistryFile(default_registry)
     if registry is not None:
@@ -262,10 +266,18 @@ def build_catalog(config: ServerConfig) -> Catalog:
         contention=config.contention or m.contention or "wait",
         wait_timeout_s=(config.wait_timeout_s if config.wait_timeout_s is not None
                         else m.wait_timeout_s if m.wait_timeout_s is not None else 60.0))
+    if not entries and not config.allow_no_models:
+        where = (f"{config.models_config} has no models" if config.models_config is not None
+                 else "--no-starter and no registered models")
+        raise CatalogError(f"nothing to serve: {where}. Give MODEL (`mlxd serve MODEL`), a "
+                           "--models-config file with entries, or --allow-no-models to start "
+                           "empty and add models with PUT /v1/models.")
     regs = [registration_for(e, config, budget) for e in entries]
     aliases: dict[str, str] = {}
     chat = [r.entry.name for r in regs if r.kind in (ModelKind.TEXT, ModelKind.VISION)]
-    if config.model:
+    if any("default" in r.entry.aliases for r in regs):
+        pass  # an entry claims the name itself
+    elif config.model:
         aliases["default"] = regs[-1].entry.name
     elif chat:
         aliases["default"] = chat[0]
