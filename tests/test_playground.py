@@ -93,13 +93,17 @@ def served(agent_model: Path, session_dir: Path,
            test_home: Path) -> Iterator[tuple[RunningServer, GatedLoader]]:
     from tests.helpers.cross_encoders import build_tiny_roberta
     from tests.helpers.retrieval import registry_config
+    from tests.helpers.tiny_vlm import build_tiny_vlm
 
     rerank = session_dir / "mixed-rerank"  # the same folder as conftest's mixed_server
     if not (rerank / "config.json").exists():
         build_tiny_roberta(rerank)
     entries = [ModelEntry(name="agent", source=str(agent_model)),
                STARTER_EMBEDDING.model_copy(), ModelEntry(name="rerank", source=str(rerank)),
-               STARTER_STT.model_copy(), STARTER_TTS.model_copy()]
+               STARTER_STT.model_copy(), STARTER_TTS.model_copy(),
+               ModelEntry(name="vl", source=str(build_tiny_vlm(  # the same as test_vision_prefix
+                   "qwen2_vl", session_dir / "tiny-vlm" / "qwen2_vl",
+                   session_dir / "tiny-vlm" / "tokenizers")))]
     cfg = registry_config(session_dir / "playground-models.yaml", entries, test_home,
                           api_key=USER_KEY, admin_api_key=ADMIN_KEY,
                           enable_prefix_cache_persist=False)
@@ -237,13 +241,11 @@ def test_models_table_and_panels(page: Any) -> None:
     rows = {r.get_attribute("data-model"): r.get_attribute("data-kind")
             for r in _by_css(page, "#models tbody tr")}
     assert rows == {"agent": "text", "all-minilm-l6-v2": "embedding", "rerank": "rerank",
-                    STARTER_STT.name: "stt", STARTER_TTS.name: "tts"}
+                    STARTER_STT.name: "stt", STARTER_TTS.name: "tts", "vl": "vision"}
     assert _text(page, '#models tr[data-model="agent"] td:nth-child(7)') == "yes"
     options = [o.get_attribute("value") for o in _by_css(page, "#chat-model option")]
-    assert options == ["agent"]  # chat-capable models only
-    # no vision model is registered: its panel stays hidden; the audio panels show
-    assert not _by_css(page, "#panel-vision")[0].is_displayed()
-    for panel in ("panel-stt", "panel-tts"):
+    assert options == ["agent", "vl"]  # chat-capable models only
+    for panel in ("panel-vision", "panel-stt", "panel-tts"):  # each kind has a model
         assert _by_css(page, f"#{panel}")[0].is_displayed()
     # unloaded: nothing measured; the reservation is an estimate (~), in binary units
     assert _text(page, '#models tr[data-model="agent"] td.measured') == "-"
@@ -421,3 +423,32 @@ def test_favicon_is_linked_and_served(server: RunningServer) -> None:
     assert '<link rel="icon" href="/favicon.ico">' in html
     r = httpx.get(server.url + "/favicon.ico", timeout=WAIT)
     assert r.status_code == 200 and r.headers["content-type"] == "image/x-icon"
+
+
+def test_an_image_goes_to_the_vision_model_with_the_next_message(
+        page: Any, served: tuple[RunningServer, GatedLoader], tmp_path: Path) -> None:
+    from PIL import Image
+    from selenium.webdriver.support.ui import Select
+
+    loader = served[1]
+    loader.reset(None)  # the tiny vision model generates for real: its tower sees the image
+    _capture_requests(page)
+    image = tmp_path / "red.png"
+    Image.new("RGB", (32, 32), (220, 30, 30)).save(image)
+    Select(_by_css(page, "#chat-model")[0]).select_by_value("vl")
+    _by_css(page, "#image")[0].send_keys(str(image))
+    _until(page, lambda d: _by_css(d, "#send")[0].is_enabled(), "the image is read")
+    replies = len(_by_css(page, ".msg.assistant"))
+    _chat(page, "What is this?", 4)
+    _until(page, lambda d: len(_by_css(d, ".msg.assistant")) > replies and
+           _text(d, "#chat-status").startswith("done"), "the answer",
+           timeout=120)  # the vision model loads first
+    assert _text(page, ".msg.user").endswith("[image]")
+    content = _sent(page, "/v1/chat/completions")[-1]["messages"][-1]["content"]
+    assert content[0] == {"type": "text", "text": "What is this?"}
+    assert content[1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert _by_css(page, "#image")[0].get_attribute("value") == ""  # sent once, then cleared
+    card = httpx.get(served[0].url + "/v1/models/vl", timeout=WAIT,
+                     headers={"Authorization": f"Bearer {USER_KEY}"}).json()
+    assert card["vision_tower_runs"] == 1  # the image went through the vision tower
+    Select(_by_css(page, "#chat-model")[0]).select_by_value("agent")

@@ -424,11 +424,17 @@
     $("image").value = "";
   }
 
+  // Send waits while the image is read, so a quick Enter never drops it.
   function readImage() {
     const file = $("image").files[0];
     if (!file) { state.image = null; return; }
     const reader = new FileReader();
-    reader.onload = () => { state.image = reader.result; };
+    $("send").disabled = true;
+    reader.onloadend = () => {
+      state.image = reader.error ? null : reader.result;
+      if (reader.error) setStatus("chat-status", "image: " + reader.error.message, true);
+      $("send").disabled = Boolean(state.controller);
+    };
     reader.readAsDataURL(file);
   }
 
