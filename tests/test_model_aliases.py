@@ -126,6 +126,21 @@ def test_put_of_an_alias_another_model_holds_is_a_409(server: RunningServer,
     assert "third" not in server.ctx.manager.names
 
 
+@pytest.mark.parametrize("entry, message", [
+    ({"name": "gpt-4o"}, "'gpt-4o' is an alias of model 'small'"),
+    ({"name": "third", "aliases": ["small"]}, "Alias 'small' is the name of a model"),
+    ({"name": "big", "aliases": ["*-tie"]}, "Alias '*-tie' already belongs to model 'small'"),
+])
+def test_put_that_would_clash_changes_nothing(server: RunningServer, tiny_model: Path,
+                                              entry: dict[str, object], message: str) -> None:
+    """Refused before anything is replaced: "big" keeps serving under its own aliases."""
+    r = httpx.put(server.url + "/v1/models", timeout=60,
+                  json={"source": str(tiny_model), **entry})
+    assert_openai_error(r, 409, message)
+    assert sorted(server.ctx.manager.names) == ["big", "small", STARTER_STT.name]
+    assert _resolved(server, "claude-opus-4") == "big"
+
+
 def test_register_takes_alias_flags(tiny_model: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     result = mlxd(home, "register", "agent", str(tiny_model), "--alias", "claude-*",

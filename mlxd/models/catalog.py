@@ -275,7 +275,7 @@ def build_catalog(config: ServerConfig) -> Catalog:
     regs = [registration_for(e, config, budget) for e in entries]
     aliases: dict[str, str] = {}
     chat = [r.entry.name for r in regs if r.kind in (ModelKind.TEXT, ModelKind.VISION)]
-    if any("default" in r.entry.aliases for r in regs):
+    if any("default" in (r.entry.name, *r.entry.aliases) for r in regs):
         pass  # an entry claims the name itself
     elif config.model:
         aliases["default"] = regs[-1].entry.name

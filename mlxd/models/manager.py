@@ -124,8 +124,7 @@ class ModelManager:
     def register(self, reg: Registration) -> ResidencyManager:
         if reg.entry.name in self._models:
             raise Conflict(f"A model named '{reg.entry.name}' is already registered.")
-        for alias in reg.entry.aliases:
-            self._check_alias_free(alias, reg.entry.name)
+        self.check_names(reg.entry)
         res = ResidencyManager(reg.entry, reg.kind, reg.estimate, self._loader,
                                reserve=reg.reserve, on_change=self._notify,
                                load_gate=self._device_lock,
@@ -140,6 +139,18 @@ class ModelManager:
         registered model ``name``; 409 when it already reaches another model."""
         self._check_alias_free(alias, name)
         self._aliases[alias] = name
+
+    def check_names(self, entry: ModelEntry) -> None:
+        """409 unless ``entry``'s name and aliases are free of other models' names and
+        aliases (the registry file's rule); call it before replacing a model."""
+        owner = self._aliases.get(entry.name)
+        if owner is not None and owner != entry.name and owner in self._models:
+            raise Conflict(f"'{entry.name}' is an alias of model '{owner}'.",
+                           code="alias_in_use")
+        for alias in entry.aliases:
+            if alias in self._models and alias != entry.name:
+                raise Conflict(f"Alias '{alias}' is the name of a model.", code="alias_in_use")
+            self._check_alias_free(alias, entry.name)
 
     def _check_alias_free(self, alias: str, name: str) -> None:
         owner = self._aliases.get(alias)

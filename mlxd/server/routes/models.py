@@ -112,6 +112,7 @@ def prepare_registration(entry: ModelEntry, ctx: ServerContext) -> Registration:
 async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     """Add (or replace, when not in use) a registry entry at run time."""
     # Never on the event loop: detection and hashing read files, the registry write fsyncs.
+    ctx.manager.check_names(entry)  # before anything is replaced
     reg = await asyncio.to_thread(prepare_registration, entry, ctx)
     replaced = entry.name in ctx.manager.names
     if replaced:
