@@ -27,6 +27,8 @@ class ServerConfig(BaseSettings):
     # What to serve
     model: str | None = Field(None, description="Model to serve: local MLX folder, GGUF file or HF id")
     served_model_name: str | None = None
+    # More names for MODEL (or, without MODEL, the first chat model): exact or glob patterns
+    aliases: list[str] = Field(default_factory=list)
     models_config: Path | None = Field(None, description="Registry YAML file")
     home: Path = Field(default_factory=default_home)
     no_starter: bool = False

@@ -10,6 +10,7 @@ loaded; only its form errors are exercised).
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from rich.console import Console
 
 from mlxd.cli import main
 from mlxd.cli.admin import models_table
+from mlxd.models.catalog import CatalogError, build_catalog
 from mlxd.models.registry import RegistryError, parse_registry
 from mlxd.models.spec import ModelEntry, alias_specificity
 from mlxd.models.starter import STARTER_STT, starter_entries
@@ -139,6 +141,25 @@ def test_put_that_would_clash_changes_nothing(server: RunningServer, tiny_model:
     assert_openai_error(r, 409, message)
     assert sorted(server.ctx.manager.names) == ["big", "small", STARTER_STT.name]
     assert _resolved(server, "claude-opus-4") == "big"
+
+
+def test_serve_alias_flags_name_the_served_model(tiny_model: Path, test_home: Path) -> None:
+    """`mlxd serve MODEL --alias 'claude-*'`: all Claude Code needs, without a registry."""
+    from mlxd.cli.serve import add_parser, config_from_args
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub, "serve", "")
+    args = sub.choices["serve"].parse_args([str(tiny_model), "--alias", "claude-*",
+                                            "--alias", "gpt-4o", "--no-starter",
+                                            "--home", str(test_home)])
+    config = config_from_args(args)
+    assert config.aliases == ["claude-*", "gpt-4o"]
+    with running_server(config) as srv:
+        assert _resolved(srv, "claude-haiku-4-5") == tiny_model.name
+        assert _resolved(srv, "gpt-4o") == tiny_model.name
+        assert _resolved(srv, "gpt-4") == 404
+    with pytest.raises(CatalogError, match="--alias: alias pattern '\\*' would match"):
+        build_catalog(config.model_copy(update={"aliases": ["*"]}))
 
 
 def test_register_takes_alias_flags(tiny_model: Path, tmp_path: Path) -> None:

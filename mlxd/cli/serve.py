@@ -24,6 +24,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--host", "host", {"help": "bind address (default 127.0.0.1)"}),
     ("--port", "port", {"type": int, "help": "port (default 8000)"}),
     ("--served-model-name", "served_model_name", {"help": "name clients use for MODEL"}),
+    ("--alias", "aliases", {"action": "append", "metavar": "NAME",
+                            "help": "another name for MODEL (without MODEL: the first chat "
+                                    "model), exact or a glob pattern such as 'claude-*'; "
+                                    "repeat for more"}),
     ("--models-config", "models_config", {"help": "registry YAML file (many models)"}),
     ("--max-tokens", "max_tokens", {"type": int, "help": "default max_tokens (default 512)"}),
     ("--log-level", "log_level", {"choices": ["debug", "info", "warning", "error"]}),

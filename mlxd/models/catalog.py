@@ -27,7 +27,7 @@ from mlxd.models.memory import (
 )
 from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryData, RegistryFile
-from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.models.spec import ModelEntry, ModelKind, validate_aliases
 from mlxd.models.starter import starter_entries
 from mlxd.runtime.distributed import parse_hosts
 from mlxd.sources.ct2_whisper import is_ctranslate2_whisper
@@ -193,8 +193,12 @@ def model_entry_from_cli(config: ServerConfig) -> ModelEntry:
         name = path.resolve().name.removesuffix(".gguf")
     else:
         name = source
+    try:
+        validate_aliases(config.aliases)
+    except ValueError as e:
+        raise CatalogError(f"--alias: {e}") from None
     return ModelEntry(name=name, source=str(path.resolve()) if path.exists() else source,
-                      trust_remote_code=config.trust_remote_code,
+                      aliases=list(config.aliases), trust_remote_code=config.trust_remote_code,
                       draft_model=draft_source(config.draft_model))
 
 
@@ -283,5 +287,10 @@ def build_catalog(config: ServerConfig) -> Catalog:
         aliases["default"] = chat[0]
     if config.served_model_name and config.model is None and chat:
         aliases[config.served_model_name] = chat[0]
+    if config.model is None and chat:  # with MODEL, they are its entry's aliases
+        try:
+            aliases.update(dict.fromkeys(validate_aliases(config.aliases), chat[0]))
+        except ValueError as e:
+            raise CatalogError(f"--alias: {e}") from None
     preload = [r.entry.name for r in regs if r.entry.preload]
     return Catalog(regs, policy, registry, aliases, preload)

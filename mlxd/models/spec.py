@@ -110,6 +110,20 @@ def alias_specificity(pattern: str) -> int:
     return literal
 
 
+def validate_aliases(aliases: list[str]) -> list[str]:
+    """``aliases`` if each is a usable name or pattern, else ``ValueError`` saying why."""
+    for alias in aliases:
+        if not alias or alias.strip() != alias or alias.startswith("/"):
+            raise ValueError(f"alias {alias!r} must be non-empty, not start with '/' and "
+                             "have no surrounding spaces")
+        if is_alias_pattern(alias) and alias_specificity(alias) == 0:
+            raise ValueError(f"alias pattern {alias!r} would match every name; give it "
+                             "at least one literal character (e.g. 'claude-*')")
+    if len(set(aliases)) != len(aliases):
+        raise ValueError("an alias is listed twice")
+    return aliases
+
+
 class ModelEntry(BaseModel):
     """One served model name in the registry file."""
 
@@ -148,16 +162,7 @@ class ModelEntry(BaseModel):
     @field_validator("aliases")
     @classmethod
     def _aliases(cls, v: list[str]) -> list[str]:
-        for alias in v:
-            if not alias or alias.strip() != alias or alias.startswith("/"):
-                raise ValueError(f"alias {alias!r} must be non-empty, not start with '/' and "
-                                 "have no surrounding spaces")
-            if is_alias_pattern(alias) and alias_specificity(alias) == 0:
-                raise ValueError(f"alias pattern {alias!r} would match every name; give it "
-                                 "at least one literal character (e.g. 'claude-*')")
-        if len(set(v)) != len(v):
-            raise ValueError("an alias is listed twice")
-        return v
+        return validate_aliases(v)
 
     @field_validator("voice_aliases")
     @classmethod
