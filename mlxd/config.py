@@ -27,9 +27,14 @@ class ServerConfig(BaseSettings):
     # What to serve
     model: str | None = Field(None, description="Model to serve: local MLX folder, GGUF file or HF id")
     served_model_name: str | None = None
+    # More names for MODEL (or, without MODEL, the first chat model): exact or glob patterns
+    aliases: list[str] = Field(default_factory=list)
     models_config: Path | None = Field(None, description="Registry YAML file")
     home: Path = Field(default_factory=default_home)
     no_starter: bool = False
+    # Start with no model at all (an admin adds them with PUT /v1/models); a missing
+    # --models-config file is then created by the first PUT. Off: both are startup errors.
+    allow_no_models: bool = False
     require_qualified: bool = False
     trust_remote_code: bool = False
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from mlxd.engines.input_processor import InputProcessor, MediaItem, PreparedPrompt
 from mlxd.errors import InvalidRequest
-from mlxd.generation.chat import content_text
+from mlxd.generation.chat import content_text, unreadable_part
 from mlxd.generation.params import GenerationRequest
 from mlxd.media.types import IMAGE_PART, VIDEO_PART, ImageInput, VideoInput
 
@@ -68,7 +68,7 @@ class VisionInputProcessor(InputProcessor):
                 raise InvalidRequest(f"The '{kind}' part was not resolved to an image or video.",
                                      param=where)
             else:
-                raise InvalidRequest(f"Unsupported content part type: {kind!r}", param=where)
+                raise unreadable_part(kind, where, "a vision-language model")
         return parts
 
     def media_of(self, messages: list[dict[str, Any]]) -> tuple[MediaItem, ...]:

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from mlxd.errors import MlxdError
+from mlxd.errors import MlxdError, validation_text
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         where = ".".join(loc) or "body"
         param = param or (where if loc else None)
-        msg = err.get("msg", "invalid value")
-        if err.get("type") == "missing":
-            msg = "field required"
-        parts.append(f"{where}: {msg}")
+        parts.append(f"{where}: {validation_text(err)}")
     return "Invalid request: " + "; ".join(parts), param
 
 

@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # The playground's page and static files are public too: they hold no data, and the
 # page asks for the key itself when the API answers 401 (server/routes/playground.py).
-PUBLIC_PATHS = frozenset({"/health", "/healthz", "/", "/ui"})
+PUBLIC_PATHS = frozenset({"/health", "/healthz", "/", "/ui", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/ui/",)
 ADMIN_ROUTES = (("POST", "/v1/models/load"), ("POST", "/v1/models/unload"),
                 ("PUT", "/v1/models"), ("DELETE", "/v1/models/"),

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from mlxd.engines.base import TRANSCRIPTION, TranscriptionRequest
-from mlxd.errors import InvalidRequest
+from mlxd.errors import InvalidRequest, validation_text
 from mlxd.media.audio_decode import WHISPER_RATE, decode_audio
 from mlxd.media.audio_limits import AudioLimits
 from mlxd.protocol.transcription import TranscriptionForm, form_schema
@@ -66,7 +66,8 @@ def parse_form(form: MultipartForm, task: Task) -> TranscriptionForm:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         where = f"'{param}': " if param else ""
-        raise InvalidRequest(f"Invalid form field {where}{err['msg']}.", param=param) from None
+        raise InvalidRequest(f"Invalid form field {where}{validation_text(err)}.",
+                             param=param) from None
 
 
 async def _transcription_request(request: Request, ctx: ServerContext, task: Task,
