@@ -166,6 +166,8 @@ def test_namespaced_call_comes_back_with_its_namespace(http: httpx.Client,
     # Codex sends the call back with its namespace, then the output
     loader.reply = "spawned"
     follow = codex_body(
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": None,
+         "encrypted_content": None},
         {"type": "function_call", "name": "spawn_agent", "namespace": "multi_agent_v1",
          "arguments": item["arguments"], "call_id": item["call_id"]},
         {"type": "function_call_output", "call_id": item["call_id"], "output": "agent 7"})
