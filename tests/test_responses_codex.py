@@ -222,6 +222,13 @@ def test_custom_tool_call_is_returned_with_its_text_input(client: OpenAI,
     assert "Success." in prompt and json.dumps({"input": PATCH})[1:-1] in prompt
 
 
+def test_custom_call_under_another_argument_name_is_still_custom(
+        client: OpenAI, loader: ScriptedLoader) -> None:
+    loader.reply = call("apply_patch", {"patch": PATCH})
+    r = client.responses.create(model=MODEL, input="patch", tools=[APPLY_PATCH])
+    assert r.output[-1].type == "custom_tool_call" and r.output[-1].input == PATCH
+
+
 def test_custom_tool_call_streams_its_input_events(http: httpx.Client,
                                                    loader: ScriptedLoader) -> None:
     loader.reply = call("apply_patch", {"input": PATCH})
