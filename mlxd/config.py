@@ -63,7 +63,8 @@ class ServerConfig(BaseSettings):
         "many seconds, with a count"))
 
     # Generation defaults and limits
-    max_tokens: int = 512
+    max_tokens: int | None = Field(None, gt=0, description=(
+        "tokens a request generates when it sets no limit (default: the rest of the context)"))
     max_n: int = 8
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None

@@ -317,7 +317,7 @@ BAD = {
     "unknown tool_choice name": ({"tools": [WEATHER],
                                   "tool_choice": {"type": "function", "name": "nope"}}, "nope"),
     "tool_choice required without tools": ({"tool_choice": "required"}, "requires tools"),
-    "non-function tool": ({"tools": [{"type": "web_search"}]}, "function"),
+    "unknown tool type": ({"tools": [{"type": "hologram_tool"}]}, "hologram_tool"),
     "function_call_output for unknown call_id": (
         {"input": [{"type": "function_call_output", "call_id": "call_missing", "output": "x"}]},
         "call_missing"),

@@ -40,6 +40,8 @@ MODEL_FOR_PATH = {"/v1/embeddings": "all-minilm-l6-v2", "/v1/rerank": "rerank",
                   "/detokenize": "tiny"}
 TOKEN_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2,
               "best_of": 2}
+LIMIT_FOR_PATH = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
+                  "/v1/responses": "max_output_tokens"}
 # Admin routes that change what the server serves get names of their own, so the fuzzer
 # never replaces or deletes the models the rest of the run needs.
 FUZZ_PREFIX = "fuzz-"
@@ -72,6 +74,10 @@ def patch_body(path: str, body: Any) -> Any:
         if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 4):
             options["num_predict"] = 4
         body["options"] = options
+    # no limit means the rest of the context: set one, so the run stays short
+    limit = LIMIT_FOR_PATH.get(path)
+    if limit is not None and not any(k in body for k in TOKEN_CAPS if k != "n"):
+        body[limit] = TOKEN_CAPS[limit]
     return body
 
 

@@ -29,7 +29,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                     "model), exact or a glob pattern such as 'claude-*'; "
                                     "repeat for more"}),
     ("--models-config", "models_config", {"help": "registry YAML file (many models)"}),
-    ("--max-tokens", "max_tokens", {"type": int, "help": "default max_tokens (default 512)"}),
+    ("--max-tokens", "max_tokens", {"type": int, "help": (
+        "tokens a request generates when it sets no limit (default: the rest of the "
+        "context); a request's larger limit is capped to what the context leaves")}),
     ("--log-level", "log_level", {"choices": ["debug", "info", "warning", "error"]}),
     ("--log-format", "log_format", {"choices": ["text", "json"],
                                     "help": "text (default) or json: one JSON object per line, "

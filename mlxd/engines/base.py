@@ -76,15 +76,15 @@ class TextGenerator(ModelEngine, Protocol):
     def count_tokens(self, prepared: PreparedPrompt) -> int:
         """Tokens the prepared prompt takes in the context (media placeholders included)."""
 
+    def cached_tokens(self, prepared: PreparedPrompt) -> int:
+        """Prompt tokens the prefix cache would supply if the prompt were admitted now
+        (an estimate: other requests may change the cache before it is)."""
+
     def prompt_text(self, prepared: PreparedPrompt) -> str:
         """The prompt as text: what ``echo`` returns and what the model reads."""
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Token ids as text (special tokens included)."""
-
-    def limit_max_tokens(self, prepared: PreparedPrompt, max_tokens: int) -> int:
-        """Generate at most ``max_tokens``, cut to the room the context leaves; returns
-        the limit set (less than ``max_tokens`` when the context is the limit)."""
 
     async def prompt_logprobs(self, prepared: PreparedPrompt,
                               top: int) -> list[TokenLogprob]:

@@ -192,6 +192,11 @@ class MirroredPrefixCache(PrefixCache):
         self.link.send({"op": "pc_insert", "uid": uid, "tokens": list(tokens), "ns": namespace})
         super().insert(tokens, cache, namespace)
 
+    def pin_prompt(self, tokens: list[int], marks: tuple[tuple[int, float], ...],
+                   key: str | None, namespace: str | None = None) -> None:
+        """Pins are not mirrored: a pinned state on rank 0 alone would resume the ranks
+        from different prefixes, so a sharded model keeps the plain LRU."""
+
     def clear(self) -> None:
         self.link.send({"op": "pc_clear"})
         super().clear()

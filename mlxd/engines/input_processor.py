@@ -33,6 +33,7 @@ from mlxd.generation.chat import (
     tools_system_prompt,
     with_tools_prompt,
 )
+from mlxd.generation.output_length import OutputLimit, output_limit
 from mlxd.generation.params import GenerationRequest
 from mlxd.generation.reasoning import ReasoningFormat
 from mlxd.generation.structured import forced_tool_format, grammar_for, tool_call_constraint
@@ -73,8 +74,13 @@ class PreparedPrompt:
     start_in_reasoning: bool
     tool_format: ToolCallFormat | None
     grammar: str | None = None
+    # ``max_tokens`` is the room the context leaves (a larger request was capped to it).
+    context_limited: bool = False
     media: tuple[MediaItem, ...] = ()  # in prompt order; text models have none
     cache_salt: str | None = None  # separates prefix-cache entries (vLLM's cache_salt)
+    cache_key: str | None = None  # keeps a shared prefix resident (``prompt_cache_key``)
+    # (prefix length in tokens, seconds): prefixes to keep resident (``cache_control``)
+    cache_pins: tuple[tuple[int, float], ...] = ()
     # Token offsets inside the prompt worth a prefix-cache checkpoint (where the leading
     # system messages end), for models whose cache cannot be cut back to a prefix.
     checkpoints: tuple[int, ...] = ()
@@ -92,7 +98,7 @@ class InputLimits:
     context_length: int
     vocab_size: int  # token ids a client may send: [0, vocab_size)
     token_chars: int = 64  # longest token in characters (bounds characters per token)
-    default_max_tokens: int = 512
+    default_max_tokens: int | None = None  # None: the rest of the context
 
 
 class InputProcessor:
@@ -141,13 +147,16 @@ class InputProcessor:
             text = self.tokenizer.decode(tokens)
         if not tokens:
             raise InvalidRequest("The prompt is empty.", param="prompt")
-        max_tokens = self._check_limits(len(tokens), request.max_tokens)
+        limit = self._check_limits(len(tokens), request.max_tokens)
         stop_ids = set(self.tokenizer.eos_token_ids) | set(request.stop_token_ids)
         start_in_reasoning = bool(self.reasoning and request.messages is not None
                                   and self.reasoning.starts_inside(text))
-        return PreparedPrompt(request, tokens, text, max_tokens, stop_ids, start_in_reasoning,
-                              fmt, self._grammar(request, fmt), media=media,
-                              cache_salt=request.cache_salt, checkpoints=checkpoints)
+        return PreparedPrompt(request, tokens, text, limit.tokens, stop_ids, start_in_reasoning,
+                              fmt, self._grammar(request, fmt),
+                              context_limited=limit.context_limited, media=media,
+                              cache_salt=request.cache_salt, cache_key=request.cache_key,
+                              cache_pins=self._cache_pins(request, tokens),
+                              checkpoints=checkpoints)
 
     def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> list[int]:
         """The token ids of ``request``'s prompt (text) or chat messages, rendered and
@@ -262,6 +271,30 @@ class InputProcessor:
                    min(len(head_ids), len(tokens)))
         return (end,) if 0 < end < len(tokens) - 1 else ()
 
+    def _cache_pins(self, request: GenerationRequest,
+                    tokens: list[int]) -> tuple[tuple[int, float], ...]:
+        """Each ``cache_marks`` entry as (prefix length in tokens, seconds): the tokens the
+        prompt shares with its first messages rendered alone (the system prompt and tools
+        before an empty user turn, for a mark on them)."""
+        pins: dict[int, float] = {}
+        for mark in request.cache_marks:
+            head = list((request.messages or [])[:mark.messages])
+            if not any(m.get("role") != "system" for m in head):
+                head.append({"role": "user", "content": ""})
+            part = replace(request, messages=head, add_generation_prompt=False,
+                           continue_final_message=False)
+            try:
+                messages, kwargs, _ = self._template_input(part)
+                text = self._apply_template(part, messages, kwargs)
+            except InvalidRequest:  # a template that refuses the part: no pin, no error
+                continue
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            end = next((i for i, (a, b) in enumerate(zip(ids, tokens)) if a != b),
+                       min(len(ids), len(tokens)))
+            if end > 0:
+                pins[end] = max(pins.get(end, 0.0), mark.ttl_s)
+        return tuple(sorted(pins.items()))
+
     def _checked_sampling(self, request: GenerationRequest) -> GenerationRequest:
         """400 for token ids outside the vocabulary; ``top_k`` >= vocabulary means off."""
         vocab = self.limits.vocab_size
@@ -293,22 +326,16 @@ class InputProcessor:
             f"However, {detail}, leaving no room for the completion.",
             param=param, code="context_length_exceeded")
 
-    def _check_limits(self, n_prompt: int, max_tokens: int | None) -> int:
+    def _check_limits(self, n_prompt: int, max_tokens: int | None) -> OutputLimit:
+        """A prompt that alone fills the context is a 400; the output limit follows
+        ``generation/output_length.py`` (the same rule for every API)."""
         ctx = self.limits.context_length
         if n_prompt >= ctx:
             raise InvalidRequest(
                 f"This model's maximum context length is {ctx} tokens. However, your prompt "
                 f"has {n_prompt} tokens, leaving no room for the completion.",
                 param="messages", code="context_length_exceeded")
-        if max_tokens is None:
-            return min(self.limits.default_max_tokens, ctx - n_prompt)
-        if n_prompt + max_tokens > ctx:
-            raise InvalidRequest(
-                f"This model's maximum context length is {ctx} tokens. However, you requested "
-                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for "
-                "the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens", code="context_length_exceeded")
-        return max_tokens
+        return output_limit(ctx, n_prompt, max_tokens, self.limits.default_max_tokens)
 
     def _grammar(self, request: GenerationRequest, fmt: ToolCallFormat | None) -> str | None:
         """The llguidance grammar this request decodes under, validated (400 if bad)."""

@@ -14,6 +14,15 @@ the hashes of the media behind a prompt's placeholder tokens and the
 request's cache salt. Two prompts with the same tokens but different images
 (or salts) never share a KV state; the same image with the same salt does.
 A namespace is computed once per sequence, when it is admitted.
+
+Pins keep a prompt prefix resident ahead of LRU eviction for a while
+(Anthropic ``cache_control`` marks, OpenAI ``prompt_cache_key``): ``pin``
+records the prefix when a request is admitted; the first stored state that
+covers it is copied, cut to exactly the prefix, and held apart from the LRU
+until the pin expires (each use renews it). Pinned states take at most half
+of the cache's bytes; past that the pin closest to expiry goes first. A state
+that cannot be cut back (a recurrent layer's) is pinned only when it ends
+exactly at the prefix.
 """
 
 from __future__ import annotations
@@ -24,11 +33,16 @@ import logging
 import os
 import shutil
 import threading
+import time
+from collections.abc import Hashable
+from copy import deepcopy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
+    KVCache,
     LRUPromptCache,
     can_trim_prompt_cache,
     load_prompt_cache,
@@ -37,6 +51,10 @@ from mlx_lm.models.cache import (
 )
 
 log = logging.getLogger(__name__)
+
+# How long a ``prompt_cache_key``'s prompt stays pinned after its last use (OpenAI
+# keeps cached prefixes for 5-10 minutes of inactivity).
+PROMPT_CACHE_KEY_TTL_S = 300.0
 
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
 _HASHED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
@@ -67,6 +85,40 @@ def _namespace(identity: str, media_hashes: tuple[str, ...], salt: str | None) -
     return json.dumps([identity, list(media_hashes), salt])
 
 
+@dataclass
+class _Pin:
+    """A prefix kept resident until ``expires`` (monotonic seconds)."""
+
+    namespace: str
+    tokens: tuple[int, ...]
+    ttl_s: float
+    expires: float
+    cache: list[Any] | None = None  # the state of exactly ``tokens``, once one was stored
+    nbytes: int = 0
+
+
+def _cut(cache: list[Any], keep: int) -> list[Any]:
+    """A copy of ``cache``'s first ``keep`` tokens that holds only its own bytes. A plain
+    KV layer copies just those tokens (never the whole state: a long prompt's state can
+    be gigabytes); other layers are copied whole, then cut back."""
+    out: list[Any] = []
+    for layer in cache:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if type(layer) is KVCache and keys is not None and values is not None:
+            copy = KVCache()
+            copy.keys = mx.contiguous(keys[..., :keep, :])
+            copy.values = mx.contiguous(values[..., :keep, :])
+            copy.offset = keep
+            out.append(copy)
+        else:
+            copy = deepcopy(layer)
+            if getattr(copy, "offset", keep) > keep:
+                copy.trim(copy.offset - keep)
+            out.append(copy)
+    mx.eval([c.state for c in out])
+    return out
+
+
 class PrefixCache:
     """Thread-safe prefix cache for one model."""
 
@@ -76,12 +128,105 @@ class PrefixCache:
         self._cache = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
         self._lock = threading.Lock()
         self._text_namespace = _namespace(identity, (), None)
+        self._pins: dict[Hashable, _Pin] = {}
+        self.max_pinned_bytes = max_bytes // 2
         self.hits = 0
         self.misses = 0
 
     @property
     def nbytes(self) -> int:
-        return self._cache.nbytes
+        return self._cache.nbytes + self.pinned_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(p.nbytes for p in self._pins.values())
+
+    def pin(self, tokens: list[int], ttl_s: float, namespace: str | None = None,
+            owner: Hashable | None = None) -> None:
+        """Keep ``tokens`` (a prompt prefix) resident for ``ttl_s`` seconds, ahead of LRU
+        eviction, once a stored state covers it. ``owner`` names a pin that replaces the
+        owner's previous one (a ``prompt_cache_key``); without one, the prefix is the pin."""
+        if self.max_bytes <= 0 or not tokens or ttl_s <= 0:
+            return
+        ns = namespace or self._text_namespace
+        key = owner if owner is not None else (ns, tuple(tokens))
+        now = time.monotonic()
+        with self._lock:
+            pin = self._pins.get(key)
+            if pin is not None and pin.namespace == ns and pin.tokens == tuple(tokens):
+                pin.ttl_s = max(pin.ttl_s, ttl_s)
+                pin.expires = max(pin.expires, now + ttl_s)
+                return
+            self._pins[key] = _Pin(ns, tuple(tokens), ttl_s, now + ttl_s)
+
+    def pin_prompt(self, tokens: list[int], marks: tuple[tuple[int, float], ...],
+                   key: str | None, namespace: str | None = None) -> None:
+        """A request's pins: each ``(length, seconds)`` mark pins ``tokens[:length]``; a
+        ``prompt_cache_key`` pins the whole prompt as that key's one prefix
+        (``PROMPT_CACHE_KEY_TTL_S``), replacing the key's previous one."""
+        for length, ttl_s in marks:
+            self.pin(tokens[:length], ttl_s, namespace)
+        if key is not None:
+            ns = namespace or self._text_namespace
+            self.pin(tokens, PROMPT_CACHE_KEY_TTL_S, namespace,
+                     owner=("prompt_cache_key", ns, key))
+
+    def _hold(self, namespace: str, tokens: list[int], cache: list[Any]) -> None:
+        """Give waiting pins that ``tokens`` covers their state (a cut copy of ``cache``)."""
+        for pin in self._pins.values():
+            n = len(pin.tokens)
+            if pin.cache is not None or pin.namespace != namespace or n > len(tokens) \
+                    or tuple(tokens[:n]) != pin.tokens:
+                continue
+            if n < len(tokens) and not can_trim_prompt_cache(cache):
+                continue
+            pin.cache = _cut(cache, n)
+            pin.nbytes = sum(c.nbytes for c in pin.cache)
+        self._expire()
+
+    def _expire(self) -> None:
+        """Drop expired pins, then the soonest to expire while pins hold too many bytes."""
+        now = time.monotonic()
+        for key in [k for k, p in self._pins.items() if p.expires <= now]:
+            del self._pins[key]
+        while self.pinned_bytes > self.max_pinned_bytes:
+            key = min((k for k, p in self._pins.items() if p.cache is not None),
+                      key=lambda k: self._pins[k].expires)
+            del self._pins[key]
+
+    @staticmethod
+    def _usable(pin: _Pin, namespace: str, tokens: list[int]) -> int:
+        """How many leading ``tokens`` ``pin``'s state can supply: its whole prefix, or
+        (a state that can be cut back) the part ``tokens`` shares with it."""
+        if pin.cache is None or pin.namespace != namespace:
+            return 0
+        n = len(pin.tokens)
+        if tuple(tokens[:n]) == pin.tokens:
+            return n
+        if not can_trim_prompt_cache(pin.cache):
+            return 0
+        return next((i for i, (a, b) in enumerate(zip(pin.tokens, tokens)) if a != b),
+                    min(n, len(tokens)))
+
+    def _pinned(self, namespace: str, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        """The pinned state covering most of ``tokens`` (renewed when it covers most of
+        its own prefix), leaving at least one token to process."""
+        best, n = None, 0
+        for pin in self._pins.values():
+            usable = self._usable(pin, namespace, tokens)
+            if usable >= len(tokens) and not can_trim_prompt_cache(pin.cache or []):
+                continue  # a recurrent state must stop before the last token
+            if usable > n:
+                best, n = pin, usable
+        if best is None or best.cache is None:
+            return None, 0
+        if 2 * n > len(best.tokens):  # a real use, not a template's shared first tokens
+            best.expires = max(best.expires, time.monotonic() + best.ttl_s)
+        cache = deepcopy(best.cache)
+        n = min(n, len(tokens) - 1)
+        if n < len(best.tokens):
+            trim_prompt_cache(cache, len(best.tokens) - n)
+        return cache, n
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -102,9 +247,13 @@ class PrefixCache:
         """
         if self.max_bytes <= 0 or len(tokens) < 2:
             return None, 0
+        ns = namespace or self._text_namespace
         with self._lock:
-            cache, rest = self._cache.fetch_nearest_cache(namespace or self._text_namespace,
-                                                          tokens)
+            self._expire()
+            cache, rest = self._cache.fetch_nearest_cache(ns, tokens)
+            pinned, n_pinned = self._pinned(ns, tokens)
+        if pinned is not None and (cache is None or n_pinned > len(tokens) - len(rest)):
+            cache, rest = pinned, tokens[n_pinned:]
         if cache is None:
             self.misses += 1
             return None, 0
@@ -130,16 +279,19 @@ class PrefixCache:
         (an exact or trimmable match may count the last token too)."""
         if self.max_bytes <= 0:
             return 0
+        ns = namespace or self._text_namespace
         with self._lock:
-            found = self._cache._trie.search(namespace or self._text_namespace, tokens)
+            pinned = max((self._usable(p, ns, tokens) for p in self._pins.values()),
+                         default=0)
+            found = self._cache._trie.search(ns, tokens)
             if found.exact is not None:
                 return len(tokens)
             shorter = len(found.shorter) if found.shorter is not None else 0
             if found.longer is not None and found.common_prefix > shorter:
                 entry = self._cache._trie.get(found.model, found.longer)
                 if can_trim_prompt_cache(entry.prompt_cache):
-                    return int(found.common_prefix)
-            return shorter
+                    return max(pinned, int(found.common_prefix))
+            return max(pinned, shorter)
 
     def insert(self, tokens: list[int], cache: list[Any], namespace: str | None = None) -> None:
         """Cache ``cache``, the KV state of ``tokens``, under ``namespace``."""
@@ -148,12 +300,17 @@ class PrefixCache:
         # Entries extracted from a running batch are lazy slices of the batch's
         # whole KV buffer; evaluate them so an entry holds only its own bytes.
         mx.eval([c.state for c in cache])
+        ns = namespace or self._text_namespace
         with self._lock:
-            self._cache.insert_cache(namespace or self._text_namespace, list(tokens), cache)
+            self._hold(ns, list(tokens), cache)  # before the LRU may evict or trim it
+            # the LRU gets what the pins leave of the byte budget
+            self._cache.max_bytes = max(0, self.max_bytes - self.pinned_bytes)
+            self._cache.insert_cache(ns, list(tokens), cache)
 
     def clear(self) -> None:
         with self._lock:
             self._cache.trim_to(n_sequences=0)
+            self._pins.clear()
 
     def entries(self) -> list[tuple[str, list[int], list[Any]]]:
         """Every cached (namespace, tokens, cache), least recently used first."""

@@ -484,6 +484,9 @@ class BatchScheduler(SchedulerBase):
         if self.prefix_cache is not None:
             seq.cache_key = self.prefix_cache.namespace(prompt.media_hashes, prompt.cache_salt)
             cache, n_cached = self.prefix_cache.fetch(prompt.tokens, seq.cache_key)
+            # after the fetch: a key's new pin replaces the one this prompt resumes from
+            self.prefix_cache.pin_prompt(prompt.tokens, prompt.cache_pins, prompt.cache_key,
+                                         seq.cache_key)
         seq.pipeline.set_cached_tokens(n_cached)
         seq.n_cached = seq.prefilled = n_cached
         seq.admitted()
@@ -601,6 +604,7 @@ class SerialScheduler(SchedulerBase):
         if pc is not None:
             seq.cache_key = pc.namespace(prompt.media_hashes, prompt.cache_salt)
             cache, n_cached = pc.fetch(prompt.tokens, seq.cache_key)
+            pc.pin_prompt(prompt.tokens, prompt.cache_pins, prompt.cache_key, seq.cache_key)
         seq.pipeline.set_cached_tokens(n_cached)
         seq.admitted()
         steps = self.decoder.start(

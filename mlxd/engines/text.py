@@ -72,7 +72,7 @@ class TextEngineOptions:
     prefix_cache_bytes: int = 256 * 1024 * 1024
     batching: bool = True
     max_context: int | None = None
-    default_max_tokens: int = 512
+    default_max_tokens: int | None = None  # None: the rest of the context
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     trust_remote_code: bool = False
@@ -353,6 +353,13 @@ class MLXLanguageModel:
     def count_tokens(self, prepared: PreparedPrompt) -> int:
         return len(prepared.tokens)
 
+    def cached_tokens(self, prepared: PreparedPrompt) -> int:
+        pc = self.prefix_cache
+        if pc is None or len(prepared.tokens) < 2:
+            return 0
+        namespace = pc.namespace(prepared.media_hashes, prepared.cache_salt)
+        return min(pc.peek(prepared.tokens, namespace), len(prepared.tokens) - 1)
+
     def prompt_text(self, prepared: PreparedPrompt) -> str:
         return prepared.prompt_text
 
@@ -395,11 +402,6 @@ class MLXLanguageModel:
         if inputs is None:
             raise InvalidRequest(f"Model '{self.name}' is not loaded.")
         return inputs
-
-    def limit_max_tokens(self, prepared: PreparedPrompt, max_tokens: int) -> int:
-        """At most ``max_tokens``, and no further than the context ends (prepare left room)."""
-        prepared.max_tokens = min(max_tokens, self.context_length - len(prepared.tokens))
-        return prepared.max_tokens
 
     async def prompt_logprobs(self, prepared: PreparedPrompt, top: int) -> list[TokenLogprob]:
         """Log-probabilities of each prompt token given its prefix (``echo`` + ``logprobs``);

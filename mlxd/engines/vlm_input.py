@@ -88,9 +88,10 @@ class VisionInputProcessor(InputProcessor):
         arrays = self._process(base.prompt_text, images, videos, fps)
         tokens = [int(t) for t in arrays.pop("input_ids")[0].tolist()]
         arrays.pop("attention_mask", None)
-        max_tokens = self._check_limits(len(tokens), request.max_tokens)
+        limit = self._check_limits(len(tokens), request.max_tokens)
         values = {f.name: getattr(base, f.name) for f in fields(PreparedPrompt)}
-        values.update(tokens=tokens, max_tokens=max_tokens)
+        values.update(tokens=tokens, max_tokens=limit.tokens,
+                      context_limited=limit.context_limited)
         return VisionPrompt(**values, arrays=arrays)
 
     def tokenize(self, request: GenerationRequest, add_special_tokens: bool) -> list[int]:

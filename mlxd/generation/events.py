@@ -57,7 +57,8 @@ class ReasoningDelta:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A tool call. ``complete``: ``arguments`` is a valid JSON document. A call cut
+    """A tool call. ``complete``: ``arguments`` is a valid JSON document (plain text for a
+    ``freeform`` call). A call cut
     off by ``max_tokens`` has ``complete=False`` and ``arguments`` as far as the model
     generated them (a JSON prefix, possibly empty)."""
 
@@ -66,6 +67,8 @@ class ToolCall:
     name: str
     arguments: str
     complete: bool = True
+    # A freeform (Responses ``custom``) tool's call: ``arguments`` is its plain-text input.
+    freeform: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,33 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class InputGrammar:
+    """The grammar a freeform tool's input follows: ``syntax`` ``lark`` or ``regex``."""
+
+    syntax: Literal["lark", "regex"]
+    definition: str
+
+
+FREEFORM_PARAMETERS: dict[str, Any] = {
+    "type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+    "additionalProperties": False}
+
+
+@dataclass(frozen=True)
 class ToolSpec:
-    """A function the model may call (OpenAI ``function`` / Anthropic ``tool``)."""
+    """A function the model may call (OpenAI ``function`` / Anthropic ``tool``).
+
+    ``freeform``: a Responses ``custom`` tool whose call is plain text. The model
+    sees it as a function with one string parameter, ``input``; a call forced by
+    ``tool_choice`` writes the text raw after the tool's name and a newline,
+    under ``grammar`` when the tool has one.
+    """
 
     name: str
     description: str | None = None
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    freeform: bool = False
+    grammar: InputGrammar | None = None
 
     def as_openai(self) -> dict[str, Any]:
         fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
@@ -54,11 +75,22 @@ class Constraint:
 
     kind: ``json_schema`` (value: the schema dict), ``json_object`` (value
     None), ``regex`` (a pattern), or ``grammar`` / ``lark`` (a Lark grammar;
-    ``lark`` is also what a forced tool call compiles to).
+    ``lark`` is also what a forced tool call compiles to), or ``llguidance``
+    (a TopLevelGrammar JSON: a forced call of a freeform tool with its grammar).
     """
 
-    kind: Literal["json_schema", "json_object", "regex", "grammar", "lark"]
+    kind: Literal["json_schema", "json_object", "regex", "grammar", "lark", "llguidance"]
     value: Any = None
+
+
+@dataclass(frozen=True)
+class CacheMark:
+    """Keep the prompt's prefix up to the end of its first ``messages`` messages (0: the
+    system prompt and the tools alone) in the prefix cache for ``ttl_s`` seconds
+    (Anthropic's ``cache_control``)."""
+
+    messages: int
+    ttl_s: float
 
 
 @dataclass
@@ -83,3 +115,7 @@ class GenerationRequest:
     # Keeps this request's prefix-cache entries apart from requests with another
     # salt (vLLM's ``cache_salt``); None shares with every unsalted request.
     cache_salt: str | None = None
+    # Requests with the same key share a prompt prefix worth keeping (OpenAI's
+    # ``prompt_cache_key``): the prefix cache keeps it resident ahead of LRU eviction.
+    cache_key: str | None = None
+    cache_marks: list[CacheMark] = field(default_factory=list)

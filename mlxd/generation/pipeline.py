@@ -249,6 +249,9 @@ class OutputPipeline:
         body, self._tool_buffer = self._tool_buffer, ""
         if not body.strip():
             return []
+        raw = self._raw_freeform_call(body)
+        if raw is not None:
+            return self._tool_call_events([raw])
         try:
             calls = fmt.parse(body, self._opt.tools)
         except ToolParseError:
@@ -267,13 +270,28 @@ class OutputPipeline:
             return []  # a truncated non-JSON body cannot be read reliably
         return salvage_calls(body, self._opt.tools)
 
+    def _raw_freeform_call(self, body: str) -> ParsedCall | None:
+        """A freeform tool's call written raw, as a forced call is: its name, a newline,
+        then the input text (``ToolSpec.freeform``)."""
+        for tool in self._opt.tools:
+            if tool.freeform and body.startswith(tool.name + "\n"):
+                return {"name": tool.name, "arguments": {"input": body[len(tool.name) + 1:]}}
+        return None
+
     def _tool_call_events(self, calls: list[ParsedCall]) -> list[Event]:
         events: list[Event] = []
+        freeform = {t.name for t in self._opt.tools if t.freeform}
         for call in calls:
             args = call["arguments"]
-            arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            text = _freeform_input(args) if call["name"] in freeform else None
+            if text is not None:
+                arguments, is_freeform = text, True  # the call's plain-text input
+            else:
+                is_freeform = False
+                arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
             events.append(ToolCall(self._tool_calls, call.get("id") or self._opt.id_factory(),
-                                   call["name"], arguments, call.get("complete", True)))
+                                   call["name"], arguments, call.get("complete", True),
+                                   freeform=is_freeform))
             self._tool_calls += 1
         return events
 
@@ -290,3 +308,15 @@ class OutputPipeline:
         else:
             events += self._emit(held)
         return events
+
+
+def _freeform_input(args: object) -> str | None:
+    """A freeform tool's text from JSON arguments: ``input``, or the one string value a
+    model put under another name (``{"patch": "..."}``)."""
+    if not isinstance(args, dict):
+        return None
+    text = args.get("input")
+    if isinstance(text, str):
+        return text
+    values = list(args.values())
+    return values[0] if len(values) == 1 and isinstance(values[0], str) else None

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxd.errors import InvalidRequest
-from mlxd.generation.params import Constraint, ToolChoice, ToolSpec
+from mlxd.generation.params import Constraint, InputGrammar, ToolChoice, ToolSpec
 from mlxd.generation.schema_limits import check_schema_depth, check_schema_satisfiable
 from mlxd.generation.tools import BUILTIN_TOOL_PARSERS, ToolCallFormat
 
@@ -63,6 +63,8 @@ def grammar_for(constraint: Constraint) -> str:
         if not isinstance(constraint.value, str) or not constraint.value.strip():
             raise InvalidRequest("grammar must be a non-empty Lark grammar.", param="grammar")
         return LLMatcher.grammar_from_lark(constraint.value)
+    if constraint.kind == "llguidance":  # a ready TopLevelGrammar (JSON), built here
+        return str(constraint.value)
     raise InvalidRequest(f"Unknown constraint kind {constraint.kind!r}")
 
 
@@ -92,18 +94,73 @@ def tool_call_constraint(tools: list[ToolSpec], choice: ToolChoice, fmt: ToolCal
         chosen = list(tools)
     if not chosen:
         raise InvalidRequest("tool_choice needs at least one matching tool.", param="tool_choice")
-    for t in chosen:
-        _check_json_schema(t.parameters)
-    schema: dict[str, Any] = (_call_schema(chosen[0]) if len(chosen) == 1
-                              else {"anyOf": [_call_schema(t) for t in chosen]})
-    # Compact JSON: flexible whitespace lets a weak model pad forever.
-    schema["x-guidance"] = {"whitespace_flexible": False}
-    body = "%json " + json.dumps(schema)
-    start = literal(fmt.start) if fmt.start else None
-    end = literal(fmt.end) if fmt.end else None
-    parts = [p for p in (start, "call", end) if p]
-    lark = f"start: {' '.join(parts)}\ncall: {body}\n"
-    return Constraint("lark", lark)
+    functions = [t for t in chosen if not t.freeform]
+    freeform = [t for t in chosen if t.freeform]
+    start = literal(fmt.start) if fmt.start else ""
+    end = literal(fmt.end) if fmt.end else ""
+    rules: list[str] = []
+    alternatives: list[str] = []
+    if functions:
+        for t in functions:
+            _check_json_schema(t.parameters)
+        schema: dict[str, Any] = (_call_schema(functions[0]) if len(functions) == 1
+                                  else {"anyOf": [_call_schema(t) for t in functions]})
+        # Compact JSON: flexible whitespace lets a weak model pad forever.
+        schema["x-guidance"] = {"whitespace_flexible": False}
+        rules.append(f"json_call: %json {json.dumps(schema)}")
+        alternatives.append(f"json_call {end}")
+    subgrammars = _freeform_calls(freeform, fmt, end, rules, alternatives)
+    lark = "\n".join([f"start: {start} call", "call: " + " | ".join(alternatives), *rules]) + "\n"
+    if not freeform:
+        return Constraint("lark", lark)
+    top = {"grammars": [{"lark_grammar": lark}, *subgrammars]}
+    return Constraint("llguidance", json.dumps(top))
+
+
+def _freeform_calls(tools: list[ToolSpec], fmt: ToolCallFormat, end: str, rules: list[str],
+                    alternatives: list[str]) -> list[dict[str, Any]]:
+    """Add a forced call of each freeform tool to ``rules`` / ``alternatives``: written raw,
+    the tool's name, a newline, then the input under the tool's grammar (a sub-grammar,
+    returned) or as plain text."""
+    subgrammars: list[dict[str, Any]] = []
+    textual_end = bool(fmt.end) and end == _lark_literal(fmt.end)
+    for i, t in enumerate(tools):
+        head = json.dumps(t.name + "\n")
+        if t.grammar is not None:
+            subgrammars.append({"name": f"input_{i}", "lark_grammar": _input_lark(t.grammar)})
+            alternatives.append(f"{head} @input_{i} {end}")
+        elif textual_end:
+            # plain text ends at the textual end marker, which closes it as a suffix
+            rules.append(f"text_{i}[suffix={end}]: /(?s:.*)/")
+            alternatives.append(f"{head} text_{i}")
+        else:
+            # an end marker that is one token (or none) never appears in text
+            alternatives.append(f"{head} /(?s:.*)/ {end}")
+    return subgrammars
+
+
+def _input_lark(grammar: InputGrammar) -> str:
+    """A freeform tool's grammar as Lark (a regex becomes a one-rule grammar)."""
+    if grammar.syntax == "lark":
+        return grammar.definition
+    from llguidance import LLMatcher
+
+    top = json.loads(LLMatcher.grammar_from_regex(grammar.definition))
+    return str(top["grammars"][0]["lark_grammar"])
+
+
+def check_input_grammar(grammar: InputGrammar, param: str) -> None:
+    """A 400 naming the problem when a freeform tool's grammar does not compile."""
+    from llguidance import LLMatcher
+
+    try:
+        lark = _input_lark(grammar)
+    except ValueError as e:
+        raise InvalidRequest(f"Invalid {grammar.syntax} grammar: {e}", param=param) from None
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(lark, None)
+    if is_error:
+        first = messages[0].strip() if messages else "error"
+        raise InvalidRequest(f"Invalid {grammar.syntax} grammar: {first}", param=param)
 
 
 def forced_tool_format(fmt: ToolCallFormat | None) -> ToolCallFormat:

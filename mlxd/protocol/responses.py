@@ -1,8 +1,12 @@
 """OpenAI Responses API request models (``POST /v1/responses``).
 
 ``input`` is a string or a list of items: messages (``type`` may be left
-out), ``function_call``, ``function_call_output`` and ``reasoning``. Only
-function tools are served. Unknown fields are accepted and ignored; the mlxd
+out), ``function_call``, ``function_call_output``, ``custom_tool_call``,
+``custom_tool_call_output`` and ``reasoning``. Tools: ``function``,
+``custom`` (freeform text, optionally under a Lark or regex grammar) and
+``namespace`` (a group of those); hosted tools the server cannot run
+(``web_search``, ``file_search``, ...) are accepted and never shown to the
+model. Unknown fields are accepted and ignored; the mlxd
 sampling extensions of the chat API (``top_k``, ``min_p``, ``seed``,
 ``repetition_penalty``, ``stop``, ``chat_template_kwargs``, ``regex``,
 ``grammar``) are accepted at the top level (the SDK's ``extra_body``).
@@ -10,6 +14,7 @@ sampling extensions of the chat API (``top_k``, ``min_p``, ``seed``,
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -21,6 +26,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     Tag,
+    field_validator,
 )
 
 
@@ -68,7 +74,23 @@ class FunctionCallItem(_Lenient):
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str = ""
+    namespace: str | None = None  # the ``namespace`` tool the function belongs to
     id: str | None = None
+
+
+class CustomToolCallItem(_Lenient):
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: str = ""
+    namespace: str | None = None
+    id: str | None = None
+
+
+class CustomToolCallOutputItem(_Lenient):
+    type: Literal["custom_tool_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[ContentPart]
 
 
 class FunctionCallOutputItem(_Lenient):
@@ -97,7 +119,11 @@ def _item_type(value: Any) -> str:
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
+    | Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -112,9 +138,105 @@ class FunctionTool(_Lenient):
     strict: StrictBool | None = None
 
 
+# A custom tool's grammar may be long (Codex's apply_patch Lark grammar is ~1 KB);
+# bounded so a hostile one cannot make the grammar compiler run away.
+MAX_GRAMMAR_CHARS = 64 * 1024
+
+
+class TextInputFormat(_Lenient):
+    type: Literal["text"]
+
+
+class GrammarInputFormat(_Lenient):
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: str = Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)
+
+
+class CustomTool(_Lenient):
+    """A freeform tool: the model's call is plain text (``input``), not JSON arguments."""
+
+    type: Literal["custom"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    format: Annotated[TextInputFormat | GrammarInputFormat,
+                      Field(discriminator="type")] | None = None
+
+
+class NamespaceTool(_Lenient):
+    """A group of function and custom tools; calls name the namespace beside the tool."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    tools: list[Annotated[FunctionTool | CustomTool, Field(discriminator="type")]] = Field(
+        min_length=1, max_length=512)
+
+
+# Tools OpenAI runs on its side (or that need its own item types): accepted, never
+# offered to the model, since this server cannot run them. Dated variants
+# (``web_search_2025_08_26``) are the same tools.
+HOSTED_TOOL_TYPES = frozenset({
+    "web_search", "web_search_preview", "file_search", "code_interpreter", "computer",
+    "computer_use", "computer_use_preview", "image_generation", "mcp", "local_shell", "shell",
+    "apply_patch", "tool_search", "programmatic_tool_calling"})
+_DATED = re.compile(r"^(?P<base>[a-z_]+?)_\d{4}_\d{2}_\d{2}$")
+
+
+def hosted_tool_type(kind: str) -> bool:
+    """Whether ``kind`` is one of OpenAI's hosted tool types (or a dated variant)."""
+    dated = _DATED.match(kind)
+    return kind in HOSTED_TOOL_TYPES or (dated is not None
+                                         and dated["base"] in HOSTED_TOOL_TYPES)
+
+
+class HostedTool(_Lenient):
+    """A hosted tool (``HOSTED_TOOL_TYPES``): accepted, never shown to the model."""
+
+    type: str = Field(min_length=1, max_length=128)
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, kind: str) -> str:
+        if not hosted_tool_type(kind):
+            raise ValueError(f"unknown tool type '{kind}'; tools are 'function', 'custom', "
+                             "'namespace' or one of OpenAI's hosted tools "
+                             f"({', '.join(sorted(HOSTED_TOOL_TYPES))})")
+        return kind
+
+
+def _tool_type(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("function", "custom", "namespace") else "hosted"
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[CustomTool, Tag("custom")]
+    | Annotated[NamespaceTool, Tag("namespace")] | Annotated[HostedTool, Tag("hosted")],
+    Discriminator(_tool_type),
+]
+
+
 class NamedFunctionChoice(_Lenient):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str = Field(min_length=1)
+
+
+class HostedToolChoice(_Lenient):
+    """``{"type": "web_search"}``, ``{"type": "mcp", ...}``...: forcing a hosted tool."""
+
+    type: str = Field(min_length=1, max_length=128)
+
+
+def _choice_type(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "named" if kind in ("function", "custom") else "hosted"
+
+
+ToolChoiceObject = Annotated[
+    Annotated[NamedFunctionChoice, Tag("named")] | Annotated[HostedToolChoice, Tag("hosted")],
+    Discriminator(_choice_type),
+]
 
 
 class TextFormat(_Lenient):
@@ -138,8 +260,8 @@ class ResponsesRequest(_Lenient):
     model: str = Field(min_length=1)
     input: str | list[InputItem] | None = None
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedFunctionChoice | None = None
+    tools: Annotated[list[Tool], Field(max_length=1024)] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -151,6 +273,9 @@ class ResponsesRequest(_Lenient):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # Requests with the same key share their cached prompt prefix (mlxd keeps it
+    # resident ahead of LRU eviction); see docs/anthropic-and-responses.md.
+    prompt_cache_key: str | None = Field(None, max_length=256)
     # mlxd extensions
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)

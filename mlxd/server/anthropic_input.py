@@ -30,6 +30,7 @@ from mlxd.protocol.anthropic import (
     VideoBlock,
 )
 from mlxd.protocol.anthropic import ToolChoice as AnthropicToolChoice
+from mlxd.server.anthropic_cache import cache_marks
 from mlxd.server.text_session import sampling_params
 from mlxd.server.tool_checks import (
     check_json_schema,
@@ -198,14 +199,16 @@ def is_prefill(messages: list[dict[str, Any]]) -> bool:
 
 
 def generation_request(req: MessagesInput, defaults: ServingDefaults) -> GenerationRequest:
-    """Everything but ``max_tokens``, which the route clamps to the context (see routes)."""
+    """The request as a ``GenerationRequest``; ``max_tokens`` is capped to the context
+    when the prompt is prepared (``generation/output_length.py``)."""
     tools = tool_specs(req)
     choice = tool_choice(req.tool_choice, tools)
     messages = canonical_messages(req)
     prefill = is_prefill(messages)
     gen = GenerationRequest(messages=messages, tools=tools, tool_choice=choice,
                             chat_template_kwargs=template_kwargs(req, defaults),
-                            add_generation_prompt=not prefill, continue_final_message=prefill)
+                            add_generation_prompt=not prefill, continue_final_message=prefill,
+                            cache_marks=cache_marks(req, canonical_messages))
     if isinstance(req, MessagesRequest):
         gen.sampling = sampling_params(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None,
@@ -213,4 +216,5 @@ def generation_request(req: MessagesInput, defaults: ServingDefaults) -> Generat
             logit_bias=None, defaults=defaults)
         gen.stop = [s for s in req.stop_sequences or [] if s]
         gen.constraint = constraint(req)
+        gen.max_tokens = req.max_tokens or None  # 0: nothing is generated (see the route)
     return gen

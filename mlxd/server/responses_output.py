@@ -2,13 +2,16 @@
 
 ``ReasoningDelta`` -> a ``reasoning`` item (``reasoning_text`` content),
 ``TextDelta`` -> a ``message`` item (``output_text`` content), ``ToolCall`` ->
-a ``function_call`` item. ``OutputItems`` builds the items and the stream
+a ``function_call`` item (with its ``namespace`` when the tool came in one), or
+a ``custom_tool_call`` item with the call's text ``input`` for a custom tool.
+``OutputItems`` builds the items and the stream
 events that describe their growth; the non-streaming response uses the same
 builder, so both carry the same output.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -16,6 +19,7 @@ from typing import Any
 from mlxd.generation.events import Event, Finish, ReasoningDelta, TextDelta, ToolCall, Usage
 from mlxd.generation.params import GenerationRequest
 from mlxd.protocol.responses import ResponsesRequest
+from mlxd.server.responses_input import ToolName, ToolTable
 
 StreamEvent = dict[str, Any]  # {"type": "response.…", …}; sequence_number added when sent
 
@@ -27,9 +31,10 @@ def new_id(prefix: str) -> str:
 class OutputItems:
     """The output items of one response, built from events."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: ToolTable | None = None) -> None:
         self.items: list[dict[str, Any]] = []
         self._open: str | None = None  # "reasoning" or "message" while text is flowing
+        self._tools = tools or ToolTable()
 
     def feed(self, event: Event) -> list[StreamEvent]:
         if isinstance(event, ReasoningDelta) and event.text:
@@ -94,21 +99,31 @@ class OutputItems:
         return added
 
     def _function_call(self, call: ToolCall) -> list[StreamEvent]:
-        item = {"id": new_id("fc"), "type": "function_call", "call_id": call.id,
-                "name": call.name, "arguments": "", "status": "in_progress"}
+        tool = self._tools.client.get(call.name, ToolName(call.name))
+        custom = tool.freeform and call.freeform
+        field, kind = ("input", "custom_tool_call") if custom else ("arguments", "function_call")
+        item: dict[str, Any] = {"id": new_id("ctc" if custom else "fc"), "type": kind,
+                                "call_id": call.id, "name": tool.name}
+        if tool.namespace is not None:
+            item["namespace"] = tool.namespace
+        item.update({field: "", "status": "in_progress"})
         index = len(self.items)
         events: list[StreamEvent] = [
             {"type": "response.output_item.added", "output_index": index, "item": dict(item)}]
         # A call cut off by max_output_tokens keeps its arguments as far as generated.
-        item.update(arguments=call.arguments,
-                    status="completed" if call.complete else "incomplete")
+        item.update({field: call.arguments,
+                     "status": "completed" if call.complete else "incomplete"})
         self.items.append(item)
         ref = {"item_id": item["id"], "output_index": index}
+        prefix = "response.custom_tool_call_input" if custom \
+            else "response.function_call_arguments"
+        done: StreamEvent = {"type": f"{prefix}.done", **ref, field: call.arguments}
+        if not custom:
+            done["name"] = tool.name
         return [
             *events,
-            {"type": "response.function_call_arguments.delta", **ref, "delta": call.arguments},
-            {"type": "response.function_call_arguments.done", **ref, "name": call.name,
-             "arguments": call.arguments},
+            {"type": f"{prefix}.delta", **ref, "delta": call.arguments},
+            done,
             {"type": "response.output_item.done", "output_index": index, "item": dict(item)}]
 
     def assistant_message(self) -> dict[str, Any]:
@@ -120,8 +135,10 @@ class OutputItems:
         if reasoning:
             message["reasoning_content"] = reasoning
         calls = [{"id": i["call_id"], "type": "function",
-                  "function": {"name": i["name"], "arguments": i["arguments"]}}
-                 for i in self.items if i["type"] == "function_call"]
+                  "function": {"name": self._tools.model_name(i["name"], i.get("namespace")),
+                               "arguments": i["arguments"] if "arguments" in i else
+                               json.dumps({"input": i["input"]}, ensure_ascii=False)}}
+                 for i in self.items if i["type"] in ("function_call", "custom_tool_call")]
         if calls:
             message["tool_calls"] = calls
         return message
@@ -140,10 +157,11 @@ def usage_responses(usage: Usage) -> dict[str, Any]:
             "total_tokens": usage.total_tokens}
 
 
-def _tool_choice_echo(gen: GenerationRequest) -> Any:
+def _tool_choice_echo(gen: GenerationRequest, tools: ToolTable) -> Any:
     choice = gen.tool_choice
     if choice.mode == "function":
-        return {"type": "function", "name": choice.name}
+        tool = tools.client.get(choice.name or "", ToolName(choice.name or ""))
+        return {"type": "custom" if tool.freeform else "function", "name": tool.name}
     return choice.mode
 
 
@@ -157,12 +175,14 @@ def _text_echo(req: ResponsesRequest) -> dict[str, Any]:
 class ResponseRun:
     """One response being generated: its id, its output and its wire objects."""
 
-    def __init__(self, req: ResponsesRequest, gen: GenerationRequest) -> None:
+    def __init__(self, req: ResponsesRequest, gen: GenerationRequest,
+                 tools: ToolTable | None = None) -> None:
         self.req = req
         self.gen = gen
+        self.tools = tools or ToolTable()
         self.id = new_id("resp")
         self.created_at = int(time.time())
-        self.output = OutputItems()
+        self.output = OutputItems(self.tools)
         self._sequence = 0
 
     def response(self, status: str, usage: Usage | None = None,
@@ -181,8 +201,9 @@ class ResponseRun:
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
                           "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.store, "temperature": gen.sampling.temperature,
-            "text": _text_echo(req), "tool_choice": _tool_choice_echo(gen),
+            "text": _text_echo(req), "tool_choice": _tool_choice_echo(gen, self.tools),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "prompt_cache_key": req.prompt_cache_key,
             "top_p": gen.sampling.top_p, "truncation": "disabled",
             "usage": usage_responses(usage) if usage else None,
             "user": req.user, "metadata": req.metadata or {},

@@ -144,6 +144,17 @@ class TextSession:
         return self.lease.engine
 
     @property
+    def context_limited(self) -> bool:
+        """The context, not the request's limit, bounds the output (the limit was capped
+        to the room the prompt leaves, ``generation/output_length.py``)."""
+        return self.prepared.context_limited
+
+    @property
+    def cache_pins(self) -> tuple[tuple[int, float], ...]:
+        """The prompt prefixes the request marked for caching, (tokens, seconds)."""
+        return self.prepared.cache_pins
+
+    @property
     def prompt_tokens(self) -> int:
         """Tokens the prompt takes in the context (what usage reports)."""
         return self.engine.count_tokens(self.prepared)

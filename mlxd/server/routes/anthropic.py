@@ -6,10 +6,10 @@ assembler serves the streaming and the non-streaming response, so both carry
 the same blocks. Errors are rendered in Anthropic's shape by
 ``server/errors.py`` (it switches on the ``/v1/messages`` path).
 
-``max_tokens`` is a cap: when it does not fit in the context left after the
-prompt, generation stops at the end of the context with
-``stop_reason: model_context_window_exceeded`` (clients such as Claude Code
-ask for more output tokens than a small local model's context holds).
+``max_tokens`` is capped to the context the prompt leaves, as in every API
+(``generation/output_length.py``): generation then stops at the end of the
+context with ``stop_reason: model_context_window_exceeded`` (clients such as
+Claude Code ask for more output tokens than a small local model's context holds).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from mlxd.errors import GenerationFailed
 from mlxd.generation.events import Event, Finish, ReasoningDelta, TextDelta, ToolCall, Usage
 from mlxd.generation.truncated import parse_partial_json
 from mlxd.protocol.anthropic import CountTokensRequest, MessagesRequest
+from mlxd.server.anthropic_cache import usage_anthropic
 from mlxd.server.anthropic_input import generation_request
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
@@ -123,24 +124,14 @@ def stop_reason(finish: Finish, clamped: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def usage_anthropic(usage: Usage) -> dict[str, int]:
-    """Anthropic counts cache reads apart from ``input_tokens``."""
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
-            "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": usage.cached_tokens}
-
-
 def clamp_max_tokens(session: TextSession, max_tokens: int) -> bool:
-    """Generate at most ``max_tokens``, and no further than the context ends.
-
-    Returns True when the context, not ``max_tokens``, is the limit.
-    """
-    return session.engine.limit_max_tokens(session.prepared, max_tokens) < max_tokens
+    """True when the context, not ``max_tokens``, is the limit (the request policy
+    capped it when the prompt was prepared)."""
+    return max_tokens > 0 and session.context_limited
 
 
 def _message(mid: str, model: str, content: list[dict[str, Any]], reason: str | None,
-             sequence: str | None, usage: dict[str, int]) -> dict[str, Any]:
+             sequence: str | None, usage: dict[str, Any]) -> dict[str, Any]:
     return {"id": mid, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage}
@@ -176,16 +167,18 @@ async def _respond(session: TextSession, request: Request, req: MessagesRequest,
         blocks.feed(event)
     reason, sequence = stop_reason(finish, clamped)
     return JSONResponse(_message(_new_id(), req.model, blocks.blocks, reason, sequence,
-                                 usage_anthropic(finish.usage)))
+                                 usage_anthropic(finish.usage, session.cache_pins)))
 
 
 async def _stream(session: TextSession, req: MessagesRequest,
                   clamped: bool) -> AsyncIterator[str]:
     """message_start, ping, content blocks, message_delta, message_stop."""
-    prompt = Usage(session.prompt_tokens, 0)
+    # the cache's part is estimated now; message_delta carries the counts as they were
+    prompt = Usage(session.prompt_tokens, 0, cached_tokens=session.engine.cached_tokens(
+        session.prepared))
     try:
         yield sse_event("message_start", {"type": "message_start", "message": _message(
-            _new_id(), req.model, [], None, None, usage_anthropic(prompt))})
+            _new_id(), req.model, [], None, None, usage_anthropic(prompt, session.cache_pins))})
         yield sse_event("ping", {"type": "ping"})
         blocks = ContentBlocks()
         async for _, event in _events(session, req.max_tokens):
@@ -203,7 +196,7 @@ async def _stream(session: TextSession, req: MessagesRequest,
             yield sse_event("message_delta", {
                 "type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": usage_anthropic(event.usage)})
+                "usage": usage_anthropic(event.usage, session.cache_pins)})
             yield sse_event("message_stop", {"type": "message_stop"})
     finally:
         await session.close()

@@ -21,7 +21,7 @@ from mlxd.protocol.responses import ResponsesRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.response_store import ResponseStore
-from mlxd.server.responses_input import conversation, generation_request
+from mlxd.server.responses_input import conversation, generation_request, tool_table
 from mlxd.server.responses_output import ResponseRun
 from mlxd.server.sse import SSE_HEADERS, sse_event
 from mlxd.server.text_session import TextSession, finish_of
@@ -92,10 +92,11 @@ async def create_response(req: ResponsesRequest, request: Request,
                           ctx: ServerContext = Depends(get_ctx)) -> Any:
     """Create a model response (streaming with ``stream: true``)."""
     store = ctx.response_store
-    messages = conversation(req, _history(store, req.previous_response_id))
-    gen = generation_request(req, ctx.manager.get(req.model).entry.defaults, messages)
+    tools = tool_table(req)
+    messages = conversation(req, _history(store, req.previous_response_id), tools)
+    gen = generation_request(req, ctx.manager.get(req.model).entry.defaults, messages, tools)
     session = await TextSession.open(ctx, req.model, gen, endpoint=ENDPOINT)
-    run = ResponseRun(req, gen)
+    run = ResponseRun(req, gen, tools)
     if req.stream:
         return StreamingResponse(_stream(session, run, store, messages),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
