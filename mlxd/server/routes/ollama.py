@@ -37,7 +37,6 @@ from mlxd.server.routes.ollama_input import (
     chat_request,
     generate_request,
     keep_alive_seconds,
-    max_tokens_of,
     ndjson,
     resolve_name,
 )
@@ -203,7 +202,6 @@ async def _generate(ctx: ServerContext, req: ChatRequest | GenerateRequest, requ
     try:
         if req.think and not session.engine.describe().get("reasoning_parser"):
             raise InvalidRequest(f"\"{req.model}\" does not support thinking.", param="think")
-        session.engine.limit_max_tokens(session.prepared, max_tokens_of(req, defaults))
         ctx.manager.get(name).keep_alive = keep_alive
     except BaseException:
         await session.close()

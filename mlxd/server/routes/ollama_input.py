@@ -28,8 +28,6 @@ from mlxd.server.context import ServerContext
 from mlxd.server.text_session import pick, sampling_params
 from mlxd.server.tool_checks import check_json_schema, resolve_tool_choice, tool_spec_list
 
-NO_LIMIT = 2**31  # num_predict -1 / -2: as far as the context goes
-
 _GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0,
                  "m": 60.0, "h": 3600.0}
@@ -90,12 +88,6 @@ def _options(options: Options | None, defaults: ServingDefaults
         frequency_penalty=o.frequency_penalty, logit_bias=None, defaults=defaults)
     num_predict = o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None
     return sampling, num_predict, [s for s in o.stop or [] if s]
-
-
-def max_tokens_of(req: ChatRequest | GenerateRequest, defaults: ServingDefaults) -> int:
-    """What to cap generation at (the route cuts it to the context that is left)."""
-    _, num_predict, _ = _options(req.options, defaults)
-    return int(pick(num_predict, defaults.max_tokens, NO_LIMIT))
 
 
 def constraint_of(fmt: str | dict[str, Any] | None) -> Constraint | None:
@@ -184,16 +176,18 @@ def _template_kwargs(req: ChatRequest | GenerateRequest,
 
 def _request(req: ChatRequest | GenerateRequest, defaults: ServingDefaults,
              **fields: Any) -> GenerationRequest:
-    sampling, _, stop = _options(req.options, defaults)
+    sampling, num_predict, stop = _options(req.options, defaults)
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    # num_predict absent (or -1/-2): the registry's max_tokens, else the rest of the context;
+    # one larger than what the prompt leaves is capped (generation/output_length.py)
     return GenerationRequest(sampling=sampling, stop=stop, logprobs=req.logprobs,
+                             max_tokens=pick(num_predict, defaults.max_tokens),
                              top_logprobs=req.top_logprobs, constraint=constraint_of(req.format),
                              chat_template_kwargs=_template_kwargs(req, defaults), **fields)
 
 
 def chat_request(req: ChatRequest, defaults: ServingDefaults) -> GenerationRequest:
-    """``max_tokens`` is left to the route, which cuts it to the context (see routes)."""
     tools = tool_spec_list(((t.function.name, t.function.description, t.function.parameters)
                             for t in req.tools or []), param="tools", schema_field="parameters")
     choice: ToolChoice = resolve_tool_choice(None, None, tools)
