@@ -104,6 +104,9 @@ class ServerConfig(BaseSettings):
         "bytes of all images and videos of one request together"))
     max_image_pixels: int = Field(33_177_600, gt=0, description=(
         "width x height of an image or video frame (default 8K UHD)"))
+    max_media_pixels: int = Field(132_710_400, gt=0, description=(
+        "decoded pixels of all images and sampled video frames of one request together "
+        "(default four 8K UHD images)"))
     max_images_per_request: int = Field(32, ge=0)
     max_videos_per_request: int = Field(4, ge=0)
     max_video_seconds: float = Field(300.0, gt=0, description="video duration (container header)")

@@ -112,6 +112,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--max-image-pixels", "max_image_pixels", {"type": int,
                                                 "help": "width x height of an image or video "
                                                         "frame (default 33177600, 8K UHD)"}),
+    ("--max-media-pixels", "max_media_pixels", {"type": int,
+                                                "help": "decoded pixels of all images and "
+                                                        "sampled video frames of a request "
+                                                        "(default 132710400: four 8K images)"}),
     ("--max-images-per-request", "max_images_per_request", {"type": int,
                                                             "help": "default 32"}),
     ("--max-videos-per-request", "max_videos_per_request", {"type": int, "help": "default 4"}),

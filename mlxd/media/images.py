@@ -15,6 +15,7 @@ import hashlib
 import io
 import re
 import warnings
+from collections.abc import Callable
 
 from mlxd.errors import InvalidRequest
 from mlxd.media.limits import human_bytes
@@ -23,6 +24,8 @@ from mlxd.media.types import ImageInput
 # Pillow's names; MPO is the JPEG variant many phone cameras write (Pillow 13 opens it
 # with its JPEG parser and has no "MPO" opener of its own).
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP")
+# (pixels, param): counts an image's pixels in its request's total, raising past it
+PixelTaker = Callable[[int, str], None]
 _HEADER_MAX = 256  # "data:<mime>;<params>," fits in this; the search for "," stops there
 _MIME = re.compile(r"[\w.+-]+/[\w.+-]+", re.ASCII)
 _SPACE = re.compile(rb"[ \t\r\n]+")
@@ -74,8 +77,9 @@ def pillow_openers() -> tuple[str, ...]:
 
 
 def probe_image(data: bytes, param: str, *, max_bytes: int, max_pixels: int,
-                source: str = "data") -> ImageInput:
-    """The image's format and size from its header, checked against the limits."""
+                source: str = "data", request_pixels: PixelTaker | None = None) -> ImageInput:
+    """The image's format and size from its header, checked against the limits (and
+    taken from the request's ``request_pixels`` before a pixel is decoded)."""
     from PIL import Image  # the vision extra; imported when an image arrives
 
     if len(data) > max_bytes:
@@ -98,6 +102,8 @@ def probe_image(data: bytes, param: str, *, max_bytes: int, max_pixels: int,
             raise InvalidRequest(f"{param} has no pixels.", param=param, code="invalid_image")
         if width * height > max_pixels:
             raise _too_many_pixels(param, max_pixels, width, height)
+        if request_pixels is not None:
+            request_pixels(width * height, param)
         try:
             # Within the limits now: decode once, so a truncated or damaged file is a 400
             # here rather than a failure inside the engine after the model is leased.

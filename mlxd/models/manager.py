@@ -24,6 +24,7 @@ from mlxd.errors import Conflict, InsufficientStorage, InvalidRequest, ModelNotF
 from mlxd.models.memory import format_bytes
 from mlxd.models.residency import Loader, ResidencyManager, State
 from mlxd.models.spec import Family, ModelEntry, ModelKind
+from mlxd.models.transient import TransientMemory
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class ModelManager:
         self._closing = False
         self._closed = asyncio.Event()  # set when shutdown begins: load waiters give up
         self.evictions = 0
+        self.transient = TransientMemory(self)  # decoded media of requests in flight
 
     # -- registry -----------------------------------------------------------
     def register(self, reg: Registration) -> ResidencyManager:
