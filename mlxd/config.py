@@ -44,6 +44,9 @@ class ServerConfig(BaseSettings):
         "id, route, model, status, tokens and timings)"))
     max_body_bytes: int = 32 * 1024 * 1024
     cors_origins: list[str] = Field(default_factory=list)
+    allowed_hosts: list[str] | None = Field(None, description=(
+        "Host header names the server answers to besides localhost; '*': any. Default: "
+        "loopback names only without an API key, any with one (a DNS rebinding guard)"))
     header_timeout: float = Field(20.0, gt=0, description=(
         "seconds for a client to send a whole request head (then 408 and close)"))
     body_timeout: float = Field(60.0, gt=0, description=(

@@ -36,6 +36,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--cors-origins", "cors_origins", {"type": _csv,
                                         "help": "comma-separated origins allowed to call the "
                                                 "API from a browser (default none)"}),
+    ("--allowed-hosts", "allowed_hosts", {
+        "type": _csv, "help": "comma-separated Host names to answer to besides localhost; "
+                              "'*': any (default: localhost only without --api-key, any "
+                              "with it)"}),
     ("--max-n", "max_n", {"type": int, "help": "most choices (n) per request (default 8)"}),
     ("--kv-reserve-tokens", "kv_reserve_tokens", {
         "type": int, "help": "tokens of KV cache reserved in a text model's memory estimate "
