@@ -225,6 +225,8 @@ def test_concurrent_image_requests_wait_for_each_other_in_the_budget(
           f"+{seen.peak_growth / MiB:.0f} MiB, {seconds:.1f} s")
     assert held.most == one_request_bytes(4)  # never two requests' media at once
     assert vlm_server.ctx.manager.transient.held == 0
+    metrics = httpx.get(vlm_server.url + "/metrics", timeout=30).text
+    assert "mlxd_memory_transient_bytes 0.0" in metrics
 
 
 # -- a speech-to-text model: concurrent long uploads ---------------------------------------
