@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import io
 import threading
 import time
@@ -30,8 +31,8 @@ from mlxd.media.resolve import resolve_media
 from mlxd.models.manager import ManagerPolicy, ModelManager
 from mlxd.models.spec import ModelEntry
 from mlxd.models.starter import STARTER_STT
-from tests.helpers.media_samples import data_url, image_part, png
-from tests.helpers.memory import MiB, watch
+from tests.helpers.media_samples import bomb_png, data_url, image_part, png
+from tests.helpers.memory import MiB, peak_rss, reset_peak_rss, watch
 from tests.helpers.retrieval import assert_openai_error, registry_config
 from tests.helpers.server import RunningServer, running_server
 
@@ -50,6 +51,13 @@ def user(*parts: dict[str, Any]) -> list[dict[str, Any]]:
 
 # -- the request's decoded-pixel total -------------------------------------------------
 
+@contextlib.contextmanager
+def watch_memory() -> Iterator[Callable[[], int]]:
+    """The growth of this process's peak RSS over the block (call the result after it)."""
+    before = reset_peak_rss()
+    yield lambda: peak_rss() - before
+
+
 def test_the_pixel_total_of_a_request_is_a_413_before_the_images_are_decoded() -> None:
     limits = MediaLimits(request_pixels=2 * 64 * 64)
     messages = user(*[image_part(data_url(png(64, 64)))] * 3)
@@ -61,6 +69,18 @@ def test_the_pixel_total_of_a_request_is_a_413_before_the_images_are_decoded() -
     assert err.param is not None and err.param.endswith(".image_url")
     # exactly at the total is fine
     asyncio.run(resolve_media(user(*[image_part(data_url(png(64, 64)))] * 2), limits))
+
+
+def test_a_pixel_bomb_under_a_raised_per_image_limit_is_refused_by_the_request_total(
+        ) -> None:
+    # 12000 x 12000 in 100 bytes: 412 MiB as RGB; refused from its header, never decoded
+    limits = MediaLimits(image_pixels=10**9)
+    with watch_memory() as growth:
+        with pytest.raises(MlxdError) as info:
+            asyncio.run(resolve_media(user(image_part(data_url(bomb_png(12_000, 12_000)))),
+                                      limits))
+    assert (info.value.status, info.value.code) == (413, "media_too_many_pixels")
+    assert growth() < 32 * MiB, growth() / MiB
 
 
 def test_sampled_video_frames_count_in_the_pixel_total() -> None:
