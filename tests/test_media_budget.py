@@ -31,7 +31,7 @@ from mlxd.media.resolve import resolve_media
 from mlxd.models.manager import ManagerPolicy, ModelManager
 from mlxd.models.spec import ModelEntry
 from mlxd.models.starter import STARTER_STT
-from tests.helpers.media_samples import bomb_png, data_url, image_part, png
+from tests.helpers.media_samples import bomb_png, data_url, image, image_part, png
 from tests.helpers.memory import MiB, peak_rss, reset_peak_rss, watch
 from tests.helpers.retrieval import assert_openai_error, registry_config
 from tests.helpers.server import RunningServer, running_server
@@ -157,6 +157,31 @@ def vlm(session_dir: Path) -> Path:
 
     root = session_dir / "tiny-vlm"
     return build_tiny_vlm("qwen2_vl", root / "qwen2_vl", root / "tokenizers")
+
+
+@pytest.mark.parametrize("family,big,kept", [
+    ("qwen2_vl", (7680, 4320), (299, 168)),  # max_pixels 112^2: twice its side
+    ("llava", (4000, 3000), (149, 112)),  # shortest edge 56
+    ("gemma3", (4000, 1000), (448, 112)),  # 56 x 56 (aspect not kept by the processor)
+    ("smolvlm", (1000, 4000), (32, 128)),  # longest edge 64
+])
+def test_images_far_larger_than_the_processor_uses_are_scaled_to_twice_that(
+        session_dir: Path, family: str, big: tuple[int, int], kept: tuple[int, int]) -> None:
+    from mlx_vlm import load
+
+    from mlxd.engines.vlm_input import decode_image, processor_fit
+    from mlxd.media.types import ImageInput
+    from tests.helpers.tiny_vlm import build_tiny_vlm
+
+    root = session_dir / "tiny-vlm"
+    _, processor = load(str(build_tiny_vlm(family, root / family, root / "tokenizers")))
+    fit = processor_fit(processor)
+    assert fit is not None
+    assert fit(*big) == kept
+    assert fit(100, 80) == (100, 80)  # ordinary images reach the processor untouched
+    data = image("JPEG", *big)
+    item = ImageInput(sha256="", data=data, width=big[0], height=big[1], format="JPEG")
+    assert decode_image(item, fit).size == kept
 
 
 def image_request(n: int, side: int = SIDE) -> dict[str, Any]:
