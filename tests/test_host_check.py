@@ -30,7 +30,7 @@ def servers(test_home: Path) -> Iterator[dict[str, RunningServer]]:
     started: dict[str, Any] = {}
     try:
         for name, extra in configs.items():
-            cm = running_server(ServerConfig(home=test_home, no_starter=True, **extra))
+            cm = running_server(ServerConfig(home=test_home, no_starter=True, allow_no_models=True, **extra))
             started[name] = (cm, cm.__enter__())
         yield {name: srv for name, (_, srv) in started.items()}
     finally:

@@ -27,16 +27,44 @@ from tests.helpers.server import RunningServer
 NOT_JSON_BODIES = {"TranscriptionForm"}  # multipart text fields: strings by nature
 
 
+def _models_in(annotation: Any) -> set[type[BaseModel]]:
+    """The pydantic models an annotation names, through unions and containers."""
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return {annotation}
+    return {m for arg in typing.get_args(annotation) for m in _models_in(arg)}
+
+
+def _response_side(models: list[type[BaseModel]]) -> set[type[BaseModel]]:
+    """Models that only describe what the server sends: ``*Response`` models, their
+    bases and the models their fields hold, unless a request model holds them too."""
+    def closure(roots: set[type[BaseModel]]) -> set[type[BaseModel]]:
+        seen: set[type[BaseModel]] = set()
+        todo = list(roots)
+        while todo:
+            model = todo.pop()
+            if model in seen:
+                continue
+            seen.add(model)
+            todo += [b for b in model.__mro__[1:] if issubclass(b, BaseModel) and b is not BaseModel]
+            for field in model.model_fields.values():
+                todo += _models_in(field.annotation)
+        return seen
+
+    responses = {m for m in models if m.__name__.endswith("Response")}
+    requests = {m for m in models if m not in closure(responses)}
+    return closure(responses) - closure(requests)
+
+
 def request_models() -> list[type[BaseModel]]:
     found: dict[str, type[BaseModel]] = {}
     for info in pkgutil.iter_modules(mlxd.protocol.__path__):
         module = importlib.import_module(f"mlxd.protocol.{info.name}")
         for name, obj in vars(module).items():
             if (inspect.isclass(obj) and issubclass(obj, BaseModel)
-                    and obj.__module__ == module.__name__ and not name.endswith("Response")
-                    and name not in NOT_JSON_BODIES):
+                    and obj.__module__ == module.__name__ and name not in NOT_JSON_BODIES):
                 found[f"{info.name}.{name}"] = obj
-    return [found[k] for k in sorted(found)]
+    outgoing = _response_side(list(found.values()))
+    return [found[k] for k in sorted(found) if found[k] not in outgoing]
 
 
 def scalar_kinds(annotation: Any) -> set[type]:
