@@ -27,9 +27,14 @@ class ServerConfig(BaseSettings):
     # What to serve
     model: str | None = Field(None, description="Model to serve: local MLX folder, GGUF file or HF id")
     served_model_name: str | None = None
+    # More names for MODEL (or, without MODEL, the first chat model): exact or glob patterns
+    aliases: list[str] = Field(default_factory=list)
     models_config: Path | None = Field(None, description="Registry YAML file")
     home: Path = Field(default_factory=default_home)
     no_starter: bool = False
+    # Start with no model at all (an admin adds them with PUT /v1/models); a missing
+    # --models-config file is then created by the first PUT. Off: both are startup errors.
+    allow_no_models: bool = False
     require_qualified: bool = False
     trust_remote_code: bool = False
 
@@ -44,6 +49,9 @@ class ServerConfig(BaseSettings):
         "id, route, model, status, tokens and timings)"))
     max_body_bytes: int = 32 * 1024 * 1024
     cors_origins: list[str] = Field(default_factory=list)
+    allowed_hosts: list[str] | None = Field(None, description=(
+        "Host header names the server answers to besides localhost; '*': any. Default: "
+        "loopback names only without an API key, any with one (a DNS rebinding guard)"))
     header_timeout: float = Field(20.0, gt=0, description=(
         "seconds for a client to send a whole request head (then 408 and close)"))
     body_timeout: float = Field(60.0, gt=0, description=(
@@ -109,6 +117,9 @@ class ServerConfig(BaseSettings):
         "bytes of all images and videos of one request together"))
     max_image_pixels: int = Field(33_177_600, gt=0, description=(
         "width x height of an image or video frame (default 8K UHD)"))
+    max_media_pixels: int = Field(132_710_400, gt=0, description=(
+        "decoded pixels of all images and sampled video frames of one request together "
+        "(default four 8K UHD images)"))
     max_images_per_request: int = Field(32, ge=0)
     max_videos_per_request: int = Field(4, ge=0)
     max_video_seconds: float = Field(300.0, gt=0, description="video duration (container header)")

@@ -6,6 +6,9 @@ manager can refuse a request precisely without knowing about HTTP.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 
 class MlxdError(Exception):
     """Base error: a message for the client, an HTTP status and an OpenAI type."""
@@ -79,7 +82,14 @@ class ModelNotFound(MlxdError):
     error_type = "not_found_error"
 
     def __init__(self, model: str, available: list[str] | None = None) -> None:
-        hint = f" Available models: {', '.join(sorted(available))}." if available else ""
+        if available:
+            hint = f" Available models: {', '.join(sorted(available))}."
+        elif available is None:
+            hint = ""
+        else:
+            hint = (" This server serves no models at all: restart it with a model "
+                    "(`mlxd serve MODEL`, or --models-config FILE with entries), or add one "
+                    "with PUT /v1/models.")
         super().__init__(f"The model '{model}' does not exist.{hint}", param="model",
                          code="model_not_found")
 
@@ -135,3 +145,17 @@ class GenerationFailed(MlxdError):
 
     status = 500
     error_type = "server_error"
+
+
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def validation_text(error: Mapping[str, Any]) -> str:
+    """One pydantic error's message as a person should read it: a validator's own words
+    without pydantic's "Value error, " prefix, and "field required" for a missing one."""
+    if error.get("type") == "missing":
+        return "field required"
+    msg = str(error.get("msg", "invalid value"))
+    for prefix in _PYDANTIC_PREFIXES:
+        msg = msg.removeprefix(prefix)
+    return msg

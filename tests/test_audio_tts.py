@@ -25,7 +25,7 @@ import pytest
 
 from mlxd.errors import ModelLoadError
 from mlxd.models.spec import ModelEntry
-from mlxd.models.starter import STARTER_TTS
+from mlxd.models.starter import OPENAI_VOICES, STARTER_TTS
 from tests.helpers.retrieval import assert_openai_error, registry_config
 from tests.helpers.server import RunningServer, running_server
 
@@ -87,7 +87,7 @@ BASE = {"model": MODEL, "input": "Hello.", "voice": VOICE}
     ({"speed": 0.2}, "between 0.25 and 4.0", "speed"),
     ({"speed": 4.5}, "between 0.25 and 4.0", "speed"),
     ({"speed": -1e308}, "between 0.25 and 4.0", "speed"),
-    ({"voice": "alloy"}, "its voices: joe", "voice"),
+    ({"voice": "marvin"}, "its voices: joe; other names it takes: alloy, ash", "voice"),
     ({"voice": ""}, "", None),
     ({"response_format": "ogg"}, "", None),
     ({"stream_format": "chunks"}, "", None),
@@ -106,7 +106,7 @@ def test_unknown_model_is_404_and_sdk_sees_the_voice_refusal(tts: RunningServer,
     with tts.client() as http:
         assert_openai_error(http.post(SPEECH, json={**BASE, "model": "nope"}), 404, "nope")
     with pytest.raises(openai.BadRequestError) as e:
-        oai.audio.speech.create(model=MODEL, voice="nova", input="Hi.")
+        oai.audio.speech.create(model=MODEL, voice="Nova", input="Hi.")  # names are exact
     assert "joe" in str(e.value)
     _unloaded(tts)
 
@@ -119,7 +119,8 @@ def test_voices_are_listed_per_model_without_loading(tts: RunningServer) -> None
                             "serves tts models")
         assert_openai_error(http.get("/v1/audio/voices", params={"model": "nope"}), 404, "")
     assert one == {"object": "list", "data": [
-        {"id": VOICE, "name": VOICE, "language": "en_US", "model": MODEL}]}
+        {"id": VOICE, "name": VOICE, "language": "en_US", "model": MODEL,
+         "aliases": list(OPENAI_VOICES)}]}
     assert every == one  # the only speech model of this server
     _unloaded(tts)
 
@@ -275,6 +276,18 @@ def test_the_voice_is_a_tts_model_in_the_models_list(tts: RunningServer) -> None
     with tts.client() as http:
         card = http.get(f"/v1/models/{MODEL}").json()
     assert card["kind"] == "tts" and card["servable"] is True
+    assert card["aliases"] == ["tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
+
+
+@pytest.mark.parametrize("model, voice", [("tts-1", "alloy"), ("tts-1-hd", "nova"),
+                                          ("gpt-4o-mini-tts", "verse")])
+def test_openais_model_and_voice_names_speak_with_the_starter_voice(
+        oai: openai.OpenAI, model: str, voice: str) -> None:
+    """Tools with OpenAI's names hard-coded work against the starter set as it ships."""
+    audio = oai.audio.speech.create(model=model, voice=voice, input="Hello there.",
+                                    response_format="wav").content
+    samples, rate = _decode(audio)
+    assert rate == 22050 and samples > rate // 4
 
 
 # -- espeak-ng missing --------------------------------------------------------------------

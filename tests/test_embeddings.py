@@ -167,6 +167,30 @@ def test_token_id_inputs_embed_like_their_text(client: OpenAI, reference: Any) -
     assert np.allclose(many, by_text, atol=1e-5)
 
 
+def test_openais_default_name_reaches_the_starter_model(client: OpenAI) -> None:
+    texts = ["tools send OpenAI's model name", "and get this model's vectors"]
+    ours = _vectors(client.embeddings.create(model=MODEL, input=texts))
+    aliased = client.embeddings.create(model="text-embedding-3-small", input=texts)
+    assert np.allclose(_vectors(aliased), ours, atol=1e-6)
+
+
+# tiktoken cl100k_base ids of "hello world", what LangChain's OpenAIEmbeddings sends by
+# default: inside MiniLM's vocabulary (30522), so only their missing [CLS] tells them apart.
+CL100K_HELLO_WORLD = [15339, 1917]
+
+
+def test_another_tokenizers_ids_are_refused_not_embedded(http: httpx.Client,
+                                                         reference: Any) -> None:
+    r = http.post("/v1/embeddings", json={"model": MODEL, "input": [CL100K_HELLO_WORLD]})
+    err = assert_openai_error(r, 400, "must come from this model's own tokenizer",
+                              param="input")
+    assert "check_embedding_ctx_length=False" in err["message"]
+    assert err["code"] == "foreign_token_ids"
+    bare = reference.tokenizer("hello world", add_special_tokens=False)["input_ids"]
+    r = http.post("/v1/embeddings", json={"model": MODEL, "input": bare})
+    assert_openai_error(r, 400, "does not start with [101]", param="input")
+
+
 def test_concurrent_requests_get_their_own_vectors(client: OpenAI) -> None:
     groups = [[f"request {g} sentence {i} about topic {g * i}" for i in range(1 + g % 4)]
               for g in range(8)]

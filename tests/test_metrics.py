@@ -194,7 +194,8 @@ def test_every_exported_metric_is_documented(traffic: dict[str, Any]) -> None:
 def test_refusals_before_routing_are_counted_under_their_route(tmp_path: Path) -> None:
     """A 401 from the auth middleware (before routing) still has a request id and is
     counted under the route it was refused for; an unknown path is `unmatched`."""
-    config = ServerConfig(home=tmp_path, no_starter=True, api_key="k")
+    config = ServerConfig(home=tmp_path, no_starter=True, api_key="k",
+                          allow_no_models=True)
     with running_server(config) as srv, srv.client() as client:
         refused = client.post(CHAT, json={"model": "m", "messages": []})
         assert refused.status_code == 401 and len(refused.headers["x-request-id"]) == 32

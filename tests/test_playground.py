@@ -27,7 +27,7 @@ import pytest
 from mlxd.generation.events import Event
 from mlxd.models.residency import State
 from mlxd.models.spec import CHAT_KINDS, ModelEntry, ModelKind
-from mlxd.models.starter import STARTER_EMBEDDING
+from mlxd.models.starter import STARTER_EMBEDDING, STARTER_STT, STARTER_TTS
 from tests.helpers.server import RunningServer, running_server
 
 USER_KEY, ADMIN_KEY = "user-key", "admin-key"
@@ -93,12 +93,17 @@ def served(agent_model: Path, session_dir: Path,
            test_home: Path) -> Iterator[tuple[RunningServer, GatedLoader]]:
     from tests.helpers.cross_encoders import build_tiny_roberta
     from tests.helpers.retrieval import registry_config
+    from tests.helpers.tiny_vlm import build_tiny_vlm
 
     rerank = session_dir / "mixed-rerank"  # the same folder as conftest's mixed_server
     if not (rerank / "config.json").exists():
         build_tiny_roberta(rerank)
     entries = [ModelEntry(name="agent", source=str(agent_model)),
-               STARTER_EMBEDDING.model_copy(), ModelEntry(name="rerank", source=str(rerank))]
+               STARTER_EMBEDDING.model_copy(), ModelEntry(name="rerank", source=str(rerank)),
+               STARTER_STT.model_copy(), STARTER_TTS.model_copy(),
+               ModelEntry(name="vl", source=str(build_tiny_vlm(  # the same as test_vision_prefix
+                   "qwen2_vl", session_dir / "tiny-vlm" / "qwen2_vl",
+                   session_dir / "tiny-vlm" / "tokenizers")))]
     cfg = registry_config(session_dir / "playground-models.yaml", entries, test_home,
                           api_key=USER_KEY, admin_api_key=ADMIN_KEY,
                           enable_prefix_cache_persist=False)
@@ -186,10 +191,10 @@ def browser() -> Iterator[Any]:
         driver.quit()
 
 
-def _until(driver: Any, check: Callable[[Any], Any], what: str) -> Any:
+def _until(driver: Any, check: Callable[[Any], Any], what: str, timeout: float = WAIT) -> Any:
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, WAIT, poll_frequency=0.05).until(check, message=what)
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(check, message=what)
 
 
 def _by_css(driver: Any, css: str) -> list[Any]:
@@ -235,13 +240,16 @@ def _chat(driver: Any, prompt: str, max_tokens: int) -> None:
 def test_models_table_and_panels(page: Any) -> None:
     rows = {r.get_attribute("data-model"): r.get_attribute("data-kind")
             for r in _by_css(page, "#models tbody tr")}
-    assert rows == {"agent": "text", "all-minilm-l6-v2": "embedding", "rerank": "rerank"}
-    assert _text(page, '#models tr[data-model="agent"] td:nth-child(6)') == "yes"
+    assert rows == {"agent": "text", "all-minilm-l6-v2": "embedding", "rerank": "rerank",
+                    STARTER_STT.name: "stt", STARTER_TTS.name: "tts", "vl": "vision"}
+    assert _text(page, '#models tr[data-model="agent"] td:nth-child(7)') == "yes"
     options = [o.get_attribute("value") for o in _by_css(page, "#chat-model option")]
-    assert options == ["agent"]  # chat-capable models only
-    # no vision / speech model is registered: their panels stay hidden
-    for panel in ("panel-vision", "panel-stt", "panel-tts"):
-        assert not _by_css(page, f"#{panel}")[0].is_displayed()
+    assert options == ["agent", "vl"]  # chat-capable models only
+    for panel in ("panel-vision", "panel-stt", "panel-tts"):  # each kind has a model
+        assert _by_css(page, f"#{panel}")[0].is_displayed()
+    # unloaded: nothing measured; the reservation is an estimate (~), in binary units
+    assert _text(page, '#models tr[data-model="agent"] td.measured') == "-"
+    assert _text(page, '#models tr[data-model="agent"] td.reserved').startswith("~")
     stored = page.execute_script("return [sessionStorage.getItem('mlxd.apiKey'), "
                                  "localStorage.length, document.cookie]")
     assert stored == [USER_KEY, 0, ""]  # the key lives in this tab's session storage only
@@ -320,3 +328,127 @@ def test_unload_and_load_change_the_state_in_the_table(page: Any, server: Runnin
                    headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert r.status_code == 200, r.text
     _until(page, lambda d: _state(d, "agent") == "unloaded", "the refresh shows the unload")
+
+
+# -------------------------------------------- issue 27: every panel, end to end
+
+
+def _capture_requests(driver: Any) -> None:
+    """Keep the JSON bodies the page sends (window.fetch wrapped, as the page calls it)."""
+    driver.execute_script("""
+        if (window.sentBodies) return;
+        window.sentBodies = [];
+        const real = window.fetch;
+        window.fetch = (url, opts) => {
+          if (opts && typeof opts.body === "string") window.sentBodies.push([url, opts.body]);
+          return real(url, opts);
+        };""")
+
+
+def _sent(driver: Any, path: str) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(body) for url, body in driver.execute_script("return window.sentBodies")
+            if url == path]
+
+
+def test_chat_leaves_sampling_to_the_server_unless_set(
+        page: Any, served: tuple[RunningServer, GatedLoader]) -> None:
+    """The starter chat model is greedy by default: the page sends no temperature (nor
+    top_p) of its own, only what the user types."""
+    loader = served[1]
+    _capture_requests(page)
+    assert _by_css(page, "#temperature")[0].get_attribute("value") in ("", None)
+    loader.reset("Fine.")
+    _chat(page, "How are you?", 16)
+    _until(page, lambda d: _text(d, ".msg.assistant .answer") == "Fine.", "the answer")
+    body = _sent(page, "/v1/chat/completions")[-1]
+    assert "temperature" not in body and "top_p" not in body
+    _by_css(page, "#temperature")[0].send_keys("0.3")
+    loader.reset("Still fine.")
+    _chat(page, "And now?", 16)
+    _until(page, lambda d: _text(d, ".msg.assistant .answer") == "Still fine.", "the answer")
+    assert _sent(page, "/v1/chat/completions")[-1]["temperature"] == 0.3
+    _by_css(page, "#temperature")[0].clear()
+
+
+def test_memory_shows_measured_and_reserved_apart_in_binary_units(
+        page: Any, server: RunningServer) -> None:
+    r = httpx.post(server.url + "/v1/models/load", json={"model": "all-minilm-l6-v2"},
+                   headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=WAIT)
+    assert r.status_code == 200, r.text
+    card = httpx.get(server.url + "/v1/models/all-minilm-l6-v2", timeout=WAIT,
+                     headers={"Authorization": f"Bearer {USER_KEY}"}).json()
+    row = '#models tr[data-model="all-minilm-l6-v2"]'
+    _until(page, lambda d: _text(d, f"{row} td.measured") not in ("", "-"), "measured")
+    measured, reserved = _text(page, f"{row} td.measured"), _text(page, f"{row} td.reserved")
+    from mlxd.models.memory import format_bytes
+
+    # the page's figures are `mlxd ps`'s: the same numbers in the same units
+    assert measured == format_bytes(card["measured_bytes"])
+    assert reserved == format_bytes(card["memory_bytes"])
+    assert "GB" not in measured + reserved  # one unit system: KiB, MiB, GiB
+
+
+def test_speak_uses_the_chosen_voice_and_plays_audio(page: Any) -> None:
+    _until(page, lambda d: [o.get_attribute("value") for o in _by_css(d, "#tts-voice option")]
+           == ["joe"], "the voice picker fills from /v1/audio/voices")
+    _capture_requests(page)
+    _by_css(page, "#tts-run")[0].click()
+    _until(page, lambda d: _text(d, "#tts-result") not in ("", "…"), "speech comes back",
+           timeout=120)  # the voice loads first
+    assert "s of speech (voice joe)" in _text(page, "#tts-result"), _text(page, "#tts-result")
+    assert _sent(page, "/v1/audio/speech")[-1]["voice"] == "joe"
+    duration = page.execute_script("return document.getElementById('tts-audio').duration")
+    assert duration > 0.3  # "Hello from mlxd." decoded by the browser
+
+
+def test_transcribe_a_file_in_the_browser(page: Any, server: RunningServer,
+                                          tmp_path: Path) -> None:
+    speech = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
+        "model": STARTER_TTS.name, "voice": "joe", "input": "Good morning.",
+        "response_format": "wav"}, headers={"Authorization": f"Bearer {USER_KEY}"})
+    assert speech.status_code == 200, speech.text
+    wav = tmp_path / "morning.wav"
+    wav.write_bytes(speech.content)
+    _by_css(page, "#stt-file")[0].send_keys(str(wav))
+    _by_css(page, "#stt-run")[0].click()
+    _until(page, lambda d: _text(d, "#stt-result") not in ("", "…"), "a transcript",
+           timeout=300)  # Whisper converts (once per test home) and loads first
+    assert "morning" in _text(page, "#stt-result").lower(), _text(page, "#stt-result")
+
+
+def test_favicon_is_linked_and_served(server: RunningServer) -> None:
+    html = httpx.get(server.url + "/", timeout=WAIT).text
+    assert '<link rel="icon" href="/favicon.ico">' in html
+    r = httpx.get(server.url + "/favicon.ico", timeout=WAIT)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/x-icon"
+
+
+def test_an_image_goes_to_the_vision_model_with_the_next_message(
+        page: Any, served: tuple[RunningServer, GatedLoader], tmp_path: Path) -> None:
+    from PIL import Image
+    from selenium.webdriver.support.ui import Select
+
+    loader = served[1]
+    loader.reset(None)  # the tiny vision model generates for real: its tower sees the image
+    _capture_requests(page)
+    image = tmp_path / "red.png"
+    Image.new("RGB", (32, 32), (220, 30, 30)).save(image)
+    Select(_by_css(page, "#chat-model")[0]).select_by_value("vl")
+    _by_css(page, "#image")[0].send_keys(str(image))
+    _until(page, lambda d: _by_css(d, "#send")[0].is_enabled(), "the image is read")
+    replies = len(_by_css(page, ".msg.assistant"))
+    _chat(page, "What is this?", 4)
+    _until(page, lambda d: len(_by_css(d, ".msg.assistant")) > replies and
+           _text(d, "#chat-status").startswith("done"), "the answer",
+           timeout=120)  # the vision model loads first
+    assert _text(page, ".msg.user").endswith("[image]")
+    content = _sent(page, "/v1/chat/completions")[-1]["messages"][-1]["content"]
+    assert content[0] == {"type": "text", "text": "What is this?"}
+    assert content[1]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert _by_css(page, "#image")[0].get_attribute("value") == ""  # sent once, then cleared
+    card = httpx.get(served[0].url + "/v1/models/vl", timeout=WAIT,
+                     headers={"Authorization": f"Bearer {USER_KEY}"}).json()
+    assert card["vision_tower_runs"] == 1  # the image went through the vision tower
+    Select(_by_css(page, "#chat-model")[0]).select_by_value("agent")

@@ -21,7 +21,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, test_home: Path
            ) -> Iterator[RunningServer]:
     registry = tmp_path_factory.mktemp("put") / "models.yaml"
     registry.write_text("models: []\n")
-    cfg = ServerConfig(models_config=registry, home=test_home, no_starter=True)
+    cfg = ServerConfig(models_config=registry, home=test_home, no_starter=True,
+                       allow_no_models=True)  # models come by PUT
     with running_server(cfg) as srv:
         yield srv
 

@@ -146,7 +146,8 @@ def test_qualify_own_server_ignores_require_qualified_from_the_environment(
 def gated(home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     empty = tmp_path_factory.mktemp("gated") / "served.yaml"
     empty.write_text("models: []\n")
-    with running_server(_config(home).model_copy(update={"models_config": empty})) as srv:
+    cfg = _config(home).model_copy(update={"models_config": empty, "allow_no_models": True})
+    with running_server(cfg) as srv:
         yield srv
 
 

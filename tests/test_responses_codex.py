@@ -166,6 +166,8 @@ def test_namespaced_call_comes_back_with_its_namespace(http: httpx.Client,
     # Codex sends the call back with its namespace, then the output
     loader.reply = "spawned"
     follow = codex_body(
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": None,
+         "encrypted_content": None},
         {"type": "function_call", "name": "spawn_agent", "namespace": "multi_agent_v1",
          "arguments": item["arguments"], "call_id": item["call_id"]},
         {"type": "function_call_output", "call_id": item["call_id"], "output": "agent 7"})
@@ -218,6 +220,13 @@ def test_custom_tool_call_is_returned_with_its_text_input(client: OpenAI,
     assert follow.output_text == "Done."
     prompt = loader.last_prompt
     assert "Success." in prompt and json.dumps({"input": PATCH})[1:-1] in prompt
+
+
+def test_custom_call_under_another_argument_name_is_still_custom(
+        client: OpenAI, loader: ScriptedLoader) -> None:
+    loader.reply = call("apply_patch", {"patch": PATCH})
+    r = client.responses.create(model=MODEL, input="patch", tools=[APPLY_PATCH])
+    assert r.output[-1].type == "custom_tool_call" and r.output[-1].input == PATCH
 
 
 def test_custom_tool_call_streams_its_input_events(http: httpx.Client,
@@ -358,3 +367,22 @@ def test_only_hosted_tools_behave_as_no_tools(client: OpenAI, loader: ScriptedLo
         "required with hosted only", "allowed_tools", "long cache key", "orphan output"])
 def test_bad_tools_are_400s(http: httpx.Client, change: dict[str, Any], contains: str) -> None:
     err(http, contains, **change)
+
+
+def test_forced_custom_calls_with_textual_markers(tiny_server: RunningServer) -> None:
+    """A model whose tool-call markers are plain text (not added tokens): plain text
+    input ends at the textual end marker; a grammar's input is held to the grammar."""
+    client = OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    note = {"type": "custom", "name": "note"}
+    r = client.responses.create(model="tiny", input="note", tools=[note], temperature=0,
+                                tool_choice={"type": "custom", "name": "note"},
+                                max_output_tokens=40)
+    calls = [o for o in r.output if o.type == "custom_tool_call"]
+    assert len(calls) == 1 and calls[0].name == "note" and "</tool_call>" not in calls[0].input
+    digits = {"type": "custom", "name": "digits",
+              "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]{2,4}"}}
+    r = client.responses.create(model="tiny", input="n", tools=[digits], temperature=0,
+                                tool_choice="required", max_output_tokens=40)
+    assert r.status == "completed"
+    [call] = [o for o in r.output if o.type == "custom_tool_call"]
+    assert re.fullmatch("[0-9]{2,4}", call.input), call.input

@@ -35,13 +35,17 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 
 MODEL_FOR_PATH = {"/v1/embeddings": "all-minilm-l6-v2", "/v1/rerank": "rerank",
+                  "/api/embed": "all-minilm-l6-v2", "/api/embeddings": "all-minilm-l6-v2",
                   "/rerank": "rerank", "/v2/rerank": "rerank", "/tokenize": "tiny",
                   "/detokenize": "tiny"}
 TOKEN_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2,
               "best_of": 2}
+LIMIT_FOR_PATH = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
+                  "/v1/responses": "max_output_tokens"}
 # Admin routes that change what the server serves get names of their own, so the fuzzer
 # never replaces or deletes the models the rest of the run needs.
 FUZZ_PREFIX = "fuzz-"
+OWN_NAMES = {"/api/delete", "/api/pull"}  # Ollama's delete, and pull (a name or a source)
 
 
 def patch_body(path: str, body: Any) -> Any:
@@ -51,7 +55,11 @@ def patch_body(path: str, body: Any) -> Any:
         return body
     if path == "/v1/models" and isinstance(body.get("name"), str):
         body["name"] = FUZZ_PREFIX + body["name"]
-    if "model" in body and path != "/v1/models/unload":
+    if path in OWN_NAMES:
+        for key in ("model", "name"):
+            if isinstance(body.get(key), str):
+                body[key] = FUZZ_PREFIX + body[key]
+    elif "model" in body and path != "/v1/models/unload":
         body["model"] = MODEL_FOR_PATH.get(path, "tiny")
     for key in ("messages", "input"):
         if body.get(key) == [] and path != "/v1/embeddings":
@@ -60,6 +68,16 @@ def patch_body(path: str, body: Any) -> Any:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[key] = cap
+    if path in ("/api/chat", "/api/generate") and isinstance(body.get("options") or {}, dict):
+        options = dict(body.get("options") or {})  # Ollama's default: up to the context's end
+        value = options.get("num_predict")
+        if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 4):
+            options["num_predict"] = 4
+        body["options"] = options
+    # no limit means the rest of the context: set one, so the run stays short
+    limit = LIMIT_FOR_PATH.get(path)
+    if limit is not None and not any(k in body for k in TOKEN_CAPS if k != "n"):
+        body[limit] = TOKEN_CAPS[limit]
     return body
 
 
@@ -85,7 +103,7 @@ def api_schema(mixed_server: RunningServer) -> Any:
 
     @schema.hook("map_path_parameters")
     def _own_names(context: Any, parameters: dict[str, Any]) -> dict[str, Any]:
-        if context.operation.method.upper() == "DELETE" and "name" in parameters:
+        if context.operation.method.upper() == "DELETE" and "name" in (parameters or {}):
             parameters["name"] = FUZZ_PREFIX + str(parameters["name"])
         return parameters
 

@@ -244,3 +244,40 @@ def test_a_request_ending_with_its_first_token_runs_no_decode_step(
     assert again.choices[0].message.content == longer.choices[0].message.content
     assert again.usage is not None and longer.usage is not None
     assert again.usage.completion_tokens == longer.usage.completion_tokens
+
+
+def _prefix_metrics(srv: RunningServer) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with srv.client() as http:
+        text = http.get("/metrics").text
+    return {s.name: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name.startswith("mlxd_prefix_cache") and s.labels.get("model") == FAMILY}
+
+
+def _card_bytes(srv: RunningServer) -> int:
+    with srv.client() as http:
+        return int(http.get(f"/v1/models/{FAMILY}").json()["prefix_cache_bytes"])
+
+
+def test_model_card_and_metrics_show_the_vision_prefix_cache(
+        servers: tuple[RunningServer, RunningServer]) -> None:
+    """The cache that gives turn 2 its ``cached_tokens`` is counted where a text model's
+    is: ``prefix_cache_bytes`` on /v1/models/NAME and the mlxd_prefix_cache_* series."""
+    on, off = servers
+    before = _prefix_metrics(on)
+    first = turn_one(png((200, 200, 30)))
+    answer, _, _ = chat(on, first)
+    _, _, cached = chat(on, [*first, {"role": "assistant", "content": answer},
+                             {"role": "user", "content": "Is it bright?"}])
+    assert cached > 0
+    after = _prefix_metrics(on)
+    assert after["mlxd_prefix_cache_bytes"] > 0 and _card_bytes(on) > 0
+    assert after["mlxd_prefix_cache_lookups_total"] == before.get(
+        "mlxd_prefix_cache_lookups_total", 0) + 2
+    assert after["mlxd_prefix_cache_hits_total"] >= before.get(
+        "mlxd_prefix_cache_hits_total", 0) + 1
+    chat(off, first)  # the cache off (--prefix-cache-bytes 0): nothing to show
+    assert _card_bytes(off) == 0
+    assert _prefix_metrics(off).get("mlxd_prefix_cache_lookups_total", 0) == 0

@@ -93,7 +93,8 @@ def test_register_pushes_the_entry_to_a_running_server(acquired_tiny: tuple[Path
                                                        tmp_path: Path) -> None:
     home, artifact = acquired_tiny
     config = ServerConfig(home=home, no_starter=True, admin_api_key="admin-secret",
-                          models_config=tmp_path / "server-models.yaml")
+                          models_config=tmp_path / "server-models.yaml",
+                          allow_no_models=True)  # the push creates the file
     with running_server(config) as srv:
         registry = (home / "models.yaml").read_bytes()
         refused = mlxd(home, "register", "pushed", str(artifact), "--url", srv.url,

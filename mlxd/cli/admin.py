@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from typing import Any
 
 import httpx
@@ -59,19 +60,48 @@ def _bytes(n: Any) -> str:
     return format_bytes(n) if isinstance(n, (int, float)) else "-"
 
 
-def models_table(models: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
+def _ago(iso: str | None, now: datetime | None = None) -> str:
+    """``last_used`` as an age ("3m ago"): short enough for an 80-column table."""
+    if not iso:
+        return "-"
+    try:
+        then = datetime.fromisoformat(iso)
+    except ValueError:
+        return iso
+    seconds = max(0, int(((now or datetime.now(timezone.utc)) - then).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} ago"
+    return f"{seconds}s ago"
 
-    table = Table(title="mlxd models")
-    for col in ("NAME", "KIND", "STATE", "PINNED", "MEMORY", "LOADS", "IN USE", "LAST USED"):
-        table.add_column(col, justify="right" if col in ("MEMORY", "LOADS", "IN USE") else "left")
+
+def models_table(models: list[dict[str, Any]], now: datetime | None = None) -> Any:
+    """The ``mlxd ps`` table, made to fit 80 columns (a terminal or a pipe): a model's
+    aliases go on a line of their own under its name, pinned and in-use join the state,
+    and the load count is left to ``--json``."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="mlxd models", box=box.SIMPLE_HEAD, pad_edge=False)
+    longest = max((len(line) for m in models
+                   for line in [m["id"], *(f"  {a}" for a in m.get("aliases") or [])]), default=4)
+    table.add_column("NAME", overflow="fold", min_width=min(longest, 32))
+    table.add_column("KIND", no_wrap=True)
+    table.add_column("STATE", overflow="fold", ratio=1)
+    table.add_column("MEMORY", justify="right", no_wrap=True)
+    table.add_column("LAST USED", justify="right", no_wrap=True)
     for m in models:
-        name = m["id"] + (f" ({', '.join(m['aliases'])})" if m.get("aliases") else "")
-        state = m.get("state", "-") if m.get("servable", True) else "cannot serve"
-        table.add_row(name, m.get("kind", "-"), state,
-                      "yes" if m.get("pinned") else "", _bytes(m.get("memory_bytes")),
-                      str(m.get("loads", 0)), str(m.get("in_use", 0)),
-                      (m.get("last_used") or "-").replace("+00:00", "Z"))
+        name = Text(m["id"])
+        if m.get("aliases"):
+            name.append("".join(f"\n  {a}" for a in m["aliases"]), style="dim")
+        state = [m.get("state", "-") if m.get("servable", True) else "cannot serve"]
+        if m.get("pinned"):
+            state.append("pinned")
+        if m.get("in_use"):
+            state.append(f"{m['in_use']} in use")
+        table.add_row(name, m.get("kind", "-"), ", ".join(state),
+                      _bytes(m.get("memory_bytes")), _ago(m.get("last_used"), now))
     return table
 
 

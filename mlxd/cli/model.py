@@ -85,6 +85,9 @@ def _add_register(sub: Any) -> None:
                    choices=["text", "vision", "embedding", "rerank", "stt", "tts"])
     p.add_argument("--revision", default=None)
     p.add_argument("--replace", action="store_true", help="re-point an existing name")
+    p.add_argument("--alias", action="append", default=None, metavar="NAME",
+                   help="another name (or glob pattern, e.g. 'claude-*') the model answers "
+                        "to; repeat for more")
     p.add_argument("--url", default=None, help="also push to this running server")
     p.add_argument("--api-key", default=None, help="admin key for --url")
     for flag in DEFAULT_FIELDS:

@@ -131,7 +131,7 @@ def do_register(args: argparse.Namespace, out: Console, err: Console) -> int:
         api_key=args.api_key, command=_command(), revision=args.revision, defaults=defaults,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         pinned=args.pinned or None, preload=args.preload or None,
-        ttl_seconds=args.ttl_seconds, description=args.description,
+        ttl_seconds=args.ttl_seconds, description=args.description, aliases=args.alias,
         trust_remote_code=args.trust_remote_code or None)
     if args.json:
         print_json(manifest)

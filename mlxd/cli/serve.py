@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -23,6 +24,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--host", "host", {"help": "bind address (default 127.0.0.1)"}),
     ("--port", "port", {"type": int, "help": "port (default 8000)"}),
     ("--served-model-name", "served_model_name", {"help": "name clients use for MODEL"}),
+    ("--alias", "aliases", {"action": "append", "metavar": "NAME",
+                            "help": "another name for MODEL (without MODEL: the first chat "
+                                    "model), exact or a glob pattern such as 'claude-*'; "
+                                    "repeat for more"}),
     ("--models-config", "models_config", {"help": "registry YAML file (many models)"}),
     ("--max-tokens", "max_tokens", {"type": int, "help": (
         "tokens a request generates when it sets no limit (default: the rest of the "
@@ -41,6 +46,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--cors-origins", "cors_origins", {"type": _csv,
                                         "help": "comma-separated origins allowed to call the "
                                                 "API from a browser (default none)"}),
+    ("--allowed-hosts", "allowed_hosts", {
+        "type": _csv, "help": "comma-separated Host names to answer to besides localhost; "
+                              "'*': any (default: localhost only without --api-key, any "
+                              "with it)"}),
     ("--max-n", "max_n", {"type": int, "help": "most choices (n) per request (default 8)"}),
     ("--kv-reserve-tokens", "kv_reserve_tokens", {
         "type": int, "help": "tokens of KV cache reserved in a text model's memory estimate "
@@ -117,6 +126,10 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--max-image-pixels", "max_image_pixels", {"type": int,
                                                 "help": "width x height of an image or video "
                                                         "frame (default 33177600, 8K UHD)"}),
+    ("--max-media-pixels", "max_media_pixels", {"type": int,
+                                                "help": "decoded pixels of all images and "
+                                                        "sampled video frames of a request "
+                                                        "(default 132710400: four 8K images)"}),
     ("--max-images-per-request", "max_images_per_request", {"type": int,
                                                             "help": "default 32"}),
     ("--max-videos-per-request", "max_videos_per_request", {"type": int, "help": "default 4"}),
@@ -149,6 +162,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 SWITCHES = (
     ("--no-batching", "batching", False, "serve one request at a time (no continuous batching)"),
     ("--no-starter", "no_starter", True, "do not serve the starter models"),
+    ("--allow-no-models", "allow_no_models", True,
+     "start even with no model configured (add models at run time with PUT /v1/models; a "
+     "missing --models-config file is created then)"),
     ("--require-qualified", "require_qualified", True,
      "refuse entries without a passing, current qualification"),
     ("--trust-remote-code", "trust_remote_code", True, "allow model code from the model folder"),
@@ -214,10 +230,10 @@ def _ready_line(ctx: Any, host: str, port: int) -> str:
     from mlxd.models.residency import State
 
     parts = []
-    aliases = {n: a for a, n in ctx.manager._aliases.items()}
     for res in ctx.manager.residencies():
         extra = ", loaded" if res.state == State.LOADED else ""
-        alias = f", alias {aliases[res.name]}" if res.name in aliases else ""
+        aliases = ctx.manager.aliases_of(res.name)
+        alias = f", alias {', '.join(aliases)}" if aliases else ""
         parts.append(f"{res.name} ({res.kind}{extra}{alias})")
     # The playground (GET /) is the first thing a person opens: a URL a browser can reach
     # even when the server listens on every interface.
@@ -238,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     from mlxd.models.catalog import CatalogError, build_catalog
     from mlxd.models.registry import RegistryError
     from mlxd.server.app import build_app
-    from mlxd.server.connections import GuardedServer, guarded_server
+    from mlxd.server.connections import GuardedServer, bind_listener, guarded_server
 
     console = Console(stderr=True)
     if blas.action == "error":
@@ -261,6 +277,14 @@ def run(args: argparse.Namespace) -> int:
         code = start_rank(config, sys.argv[1:])
         if code is not None:  # the launcher, or a follower rank: no HTTP here
             return code
+    try:  # before hashing, converting and loading: a port in use fails at once
+        listener = bind_listener(config.host, config.port)
+    except OSError as e:
+        reason = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror or e
+        console.print(f"[red]error:[/red] cannot listen on {config.host}:{config.port}: "
+                      f"{reason} (is another server running there? choose another --port)",
+                      soft_wrap=True)
+        return 1
     from mlxd.models.qualification import check_qualified
 
     try:
@@ -316,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     # die by the signal); a clean shutdown on SIGTERM exits 0 instead.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        asyncio.run(server.serve())
+        asyncio.run(server.serve(sockets=[listener]))
     except KeyboardInterrupt:
         pass
     finally:

@@ -72,6 +72,18 @@ def truncate_dimensions(vectors: np.ndarray, dimensions: int, renormalize: bool)
     return cut
 
 
+def special_prefix(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer puts before any text (BERT's ``[CLS]``; often none)."""
+    try:
+        full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+        plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    except Exception:  # a tokenizer without the flag: no tell
+        return []
+    for start in range(len(full) - len(plain) + 1):
+        if plain and full[start:start + len(plain)] == plain:
+            return [int(t) for t in full[:start]]
+    return []
+
 class EmbeddingEngine(BatchedEncoder):
     """An embedding model served through batched forward passes on its worker thread."""
 
@@ -86,6 +98,7 @@ class EmbeddingEngine(BatchedEncoder):
         self.vocab_size = 0
         self._token_chars = 64
         self._model_pools = False
+        self._id_prefix: list[int] = []  # what the tokenizer puts before any text ([CLS])
 
     # -- lifecycle (worker thread) -----------------------------------------------
     def load(self) -> None:
@@ -138,6 +151,7 @@ class EmbeddingEngine(BatchedEncoder):
         self._pad_id = int(pad) if isinstance(pad, int) else 0
         self.vocab_size = embedding_rows(self.model, self.model_config, len(self.tokenizer))
         self._token_chars = max_token_chars(self.tokenizer)
+        self._id_prefix = special_prefix(self.tokenizer)
 
     # -- facts ----------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -219,6 +233,17 @@ class EmbeddingEngine(BatchedEncoder):
         if bad is not None:
             raise InvalidRequest(f"input[{index}] has token id {bad}, outside this model's "
                                  f"vocabulary [0, {self.vocab_size}).", param="input")
+        prefix = self._id_prefix
+        if prefix and ids[:len(prefix)] != prefix:
+            # The cheap tell of another tokenizer's ids: every encoding of this model's
+            # tokenizer starts with its special tokens. MLX would embed them, wrongly.
+            raise InvalidRequest(
+                f"input[{index}] does not start with {prefix}, the special token(s) model "
+                f"'{self.name}''s tokenizer puts first: token ids must come from this model's "
+                "own tokenizer, special tokens included. Ids from another tokenizer give "
+                "wrong vectors (LangChain's OpenAIEmbeddings sends tiktoken ids unless "
+                "check_embedding_ctx_length=False); send the text instead.",
+                param="input", code="foreign_token_ids")
         return Encoded(list(ids))
 
     def _check_length(self, index: int, n: int) -> None:

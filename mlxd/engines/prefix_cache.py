@@ -97,17 +97,24 @@ class _Pin:
     nbytes: int = 0
 
 
-def _cut(cache: list[Any], drop: int) -> list[Any]:
-    """A copy of ``cache`` without its last ``drop`` tokens, holding only its own bytes."""
-    out = deepcopy(cache)
-    if drop:
-        trim_prompt_cache(out, drop)
-    for layer in out:
+def _cut(cache: list[Any], keep: int) -> list[Any]:
+    """A copy of ``cache``'s first ``keep`` tokens that holds only its own bytes. A plain
+    KV layer copies just those tokens (never the whole state: a long prompt's state can
+    be gigabytes); other layers are copied whole, then cut back."""
+    out: list[Any] = []
+    for layer in cache:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if isinstance(layer, KVCache) and keys is not None and values is not None \
-                and keys.shape[-2] > layer.offset:
-            layer.keys = keys[..., :layer.offset, :]
-            layer.values = values[..., :layer.offset, :]
+        if type(layer) is KVCache and keys is not None and values is not None:
+            copy = KVCache()
+            copy.keys = mx.contiguous(keys[..., :keep, :])
+            copy.values = mx.contiguous(values[..., :keep, :])
+            copy.offset = keep
+            out.append(copy)
+        else:
+            copy = deepcopy(layer)
+            if getattr(copy, "offset", keep) > keep:
+                copy.trim(copy.offset - keep)
+            out.append(copy)
     mx.eval([c.state for c in out])
     return out
 
@@ -173,7 +180,7 @@ class PrefixCache:
                 continue
             if n < len(tokens) and not can_trim_prompt_cache(cache):
                 continue
-            pin.cache = _cut(cache, len(tokens) - n)
+            pin.cache = _cut(cache, n)
             pin.nbytes = sum(c.nbytes for c in pin.cache)
         self._expire()
 

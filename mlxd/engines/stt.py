@@ -129,7 +129,8 @@ class STTEngine:
             raise InvalidRequest(f"Model '{self.name}' reads 16 kHz audio, not "
                                  f"{request.sample_rate} Hz.", param="file")
         duration = len(request.audio) / request.sample_rate
-        if not request.audio.size or float(abs(request.audio).max()) < SILENCE_PEAK:
+        audio = request.audio  # the peak from max and min: abs() would copy the recording
+        if not audio.size or max(float(audio.max()), -float(audio.min())) < SILENCE_PEAK:
             language = request.language or ("en" if request.task == "translate" else None)
             return Transcription(text="", language=language, duration=duration,
                                  language_name=language_name(language))

@@ -150,9 +150,16 @@ class MLXMultimodalLM(MLXLanguageModel):
         features = self.features
         return super().memory_bytes() + (features.nbytes if features is not None else 0)
 
+    def _vlm_decoder(self) -> VLMBatchDecoder | None:
+        sched = self.scheduler
+        decoder = sched.decoder if isinstance(sched, BatchScheduler) else None
+        return decoder if isinstance(decoder, VLMBatchDecoder) else None
+
     def describe(self) -> dict[str, Any]:
         out = super().describe()
         features = self.features
+        decoder = self._vlm_decoder()  # the prefix cache is mlx-vlm's, inside the decoder
+        out.update(prefix_cache_bytes=decoder.prefix_cache_nbytes() if decoder else 0)
         out.update(model_type=self.model_type,
                    patches=self._patches.names if self._patches else [],
                    feature_cache_bytes=features.nbytes if features else 0,
@@ -162,6 +169,11 @@ class MLXMultimodalLM(MLXLanguageModel):
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
+        decoder = self._vlm_decoder()
+        if decoder is not None and self._prefix_cache_bytes() > 0:
+            out.update(prefix_cache_hits=decoder.prefix_hits,
+                       prefix_cache_misses=decoder.prefix_misses,
+                       prefix_cache_bytes=decoder.prefix_cache_nbytes())
         if self.features is not None:
             out.update(feature_cache_hits=self.features.hits,
                        feature_cache_misses=self.features.misses,

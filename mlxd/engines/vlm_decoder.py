@@ -215,6 +215,9 @@ class VLMBatchDecoder:
         self._namespace = namespace if prefix_cache_bytes > 0 else None
         self._prefix_bytes = prefix_cache_bytes
         self._apc: Any = None
+        # prompts admitted with the prefix cache on: resumed from it (hits) or not
+        self.prefix_hits = 0
+        self.prefix_misses = 0
         self.answers = AnswerKeeper()
         self._gen = self._new_generator()
 
@@ -277,9 +280,13 @@ class VLMBatchDecoder:
         if prompt_tokens:
             self._stats.prompt_tokens += prompt_tokens
             self._stats.prompt_time += elapsed
-        done: list[PromptProgress] = [
-            Progress(int(p.uid), cached_tokens=int(getattr(p, "cached_tokens", 0) or 0))
-            for p in progress]
+        reports = [Progress(int(p.uid), cached_tokens=int(getattr(p, "cached_tokens", 0) or 0))
+                   for p in progress]
+        if self._apc is not None:
+            hits = sum(1 for p in reports if p.cached_tokens)
+            self.prefix_hits += hits
+            self.prefix_misses += len(reports) - hits
+        done: list[PromptProgress] = list(reports)
         firsts, gen.first_tokens = gen.first_tokens, []
         return done, self._responses(responses) + self._first_responses(firsts)
 
@@ -345,6 +352,15 @@ class VLMBatchDecoder:
 
     def set_prefill_chunk(self, tokens: int) -> None:
         self._gen.prefill_step_size = tokens
+
+    def prefix_cache_nbytes(self) -> int:
+        """Bytes mlx-vlm's prefix cache holds (0 when off); any thread."""
+        for _ in range(_NBYTES_TRIES):
+            try:
+                return int(self._apc.resident_bytes()) if self._apc is not None else 0
+            except (RuntimeError, IndexError, AttributeError, TypeError):
+                continue  # the worker changed the pool meanwhile
+        return 0
 
     def cache_nbytes(self) -> int:
         for _ in range(_NBYTES_TRIES):

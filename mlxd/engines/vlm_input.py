@@ -14,7 +14,8 @@ NumPy, turned into MLX arrays only on the model's worker thread.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,9 +23,9 @@ import numpy as np
 
 from mlxd.engines.input_processor import InputProcessor, MediaItem, PreparedPrompt
 from mlxd.errors import InvalidRequest
-from mlxd.generation.chat import content_text
+from mlxd.generation.chat import content_text, unreadable_part
 from mlxd.generation.params import GenerationRequest
-from mlxd.media.types import IMAGE_PART, VIDEO_PART, ImageInput, VideoInput
+from mlxd.media.types import IMAGE_PART, VIDEO_PART, ImageInput, VideoInput, resolved_media
 
 TEXT_PARTS = ("text", "input_text", "output_text")
 # Parts the HTTP side must have resolved before a vision model sees them.
@@ -46,6 +47,7 @@ class VisionInputProcessor(InputProcessor):
         super().__init__(*args, **kwargs)
         self.processor = processor
         self.prepare_kwargs = prepare_kwargs
+        self.fit = processor_fit(processor)
 
     # -- message content -----------------------------------------------------
     def content(self, content: Any, where: str) -> Any:
@@ -68,7 +70,7 @@ class VisionInputProcessor(InputProcessor):
                 raise InvalidRequest(f"The '{kind}' part was not resolved to an image or video.",
                                      param=where)
             else:
-                raise InvalidRequest(f"Unsupported content part type: {kind!r}", param=where)
+                raise unreadable_part(kind, where, "a vision-language model")
         return parts
 
     def media_of(self, messages: list[dict[str, Any]]) -> tuple[MediaItem, ...]:
@@ -82,7 +84,7 @@ class VisionInputProcessor(InputProcessor):
     def prepare(self, request: GenerationRequest) -> PreparedPrompt:
         """The base preparation, then the processor's expansion of the media placeholders."""
         base = super().prepare(request)
-        images, videos, fps = _decoded_media(request.messages or [])
+        images, videos, fps = _decoded_media(request.messages or [], self.fit)
         if not images and not videos:
             return base
         arrays = self._process(base.prompt_text, images, videos, fps)
@@ -99,7 +101,7 @@ class VisionInputProcessor(InputProcessor):
         processor as ``prepare`` expands it, so the count equals a chat's prompt tokens.
         The media were resolved and checked against the limits before this runs."""
         tokens = super().tokenize(request, add_special_tokens)
-        images, videos, fps = _decoded_media(request.messages or [])
+        images, videos, fps = _decoded_media(request.messages or [], self.fit)
         if not images and not videos:
             return tokens
         text, _, _ = self._render_chat(request)
@@ -130,43 +132,86 @@ class VisionInputProcessor(InputProcessor):
         return {k: np.asarray(v) for k, v in dict(out).items() if v is not None}
 
 
-def resolved_media(messages: list[dict[str, Any]]) -> Iterator[ImageInput | VideoInput]:
-    """The resolved images and videos of ``messages``, in prompt order."""
-    for m in messages:
-        content = m.get("content")
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if not isinstance(part, dict):
-                continue
-            image, video = part.get("image"), part.get("video")
-            if isinstance(image, ImageInput):
-                yield image
-            elif isinstance(video, VideoInput):
-                yield video
-
-
-def _decoded_media(messages: list[dict[str, Any]]
+def _decoded_media(messages: list[dict[str, Any]], fit: ImageFit | None = None
                    ) -> tuple[list[Any], list[Any], list[float]]:
-    """PIL images, frame lists and each video's sampled fps, in prompt order."""
+    """PIL images, frame lists and each video's sampled fps, in prompt order. Each image
+    is decoded and scaled by ``fit`` before the next is read, so at most one full-size
+    copy exists at a time."""
     images: list[Any] = []
     videos: list[Any] = []
     fps: list[float] = []
     for item in resolved_media(messages):
         if isinstance(item, ImageInput):
-            images.append(decode_image(item))
+            images.append(decode_image(item, fit))
         else:
             videos.append([np.asarray(f) for f in item.frames])
             fps.append(float(item.fps))
     return images, videos, fps
 
 
-def decode_image(image: ImageInput) -> Any:
-    """The image as an RGB PIL image (the HTTP side probed it; decoding can still fail)."""
+# (width, height) -> the size to decode an image at (never larger than it is)
+ImageFit = Callable[[int, int], tuple[int, int]]
+# An image is scaled down before the processor only when it is more than this many times
+# (per side) larger than what the processor makes of it, and then to this many times that:
+# ordinary images reach the processor untouched (its own resize gives the reference
+# pixels), a 8K screenshot for a 448 px tower does not hold 100 MB per image.
+FIT_MARGIN = 2.0
+
+
+def processor_fit(processor: Any) -> ImageFit | None:
+    """How large an image the model's image processor can use, from its configuration:
+    Qwen-style ``max_pixels``, or ``size`` as height x width (resized to exactly that),
+    longest edge or shortest edge. None: a processor this does not know (no scaling)."""
+    ip = getattr(processor, "image_processor", None)
+    if ip is None:
+        return None
+    max_pixels = getattr(ip, "max_pixels", None)
+    size = getattr(ip, "size", None)
+
+    def get(key: str) -> int:
+        value = size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+        return int(value) if isinstance(value, int | float) and value > 0 else 0
+
+    if isinstance(max_pixels, int | float) and max_pixels > 0:
+        def scale(w: int, h: int) -> float:
+            return math.sqrt(float(max_pixels) / (w * h))
+    elif get("height") and get("width"):
+        def scale(w: int, h: int) -> float:
+            return max(get("width") / w, get("height") / h)
+    elif get("longest_edge"):
+        def scale(w: int, h: int) -> float:
+            return get("longest_edge") / max(w, h)
+    elif get("shortest_edge"):
+        def scale(w: int, h: int) -> float:
+            return get("shortest_edge") / min(w, h)
+    else:
+        return None
+
+    def fit(width: int, height: int) -> tuple[int, int]:
+        factor = scale(width, height) * FIT_MARGIN
+        if factor >= 1.0:
+            return width, height
+        return (min(width, max(1, round(width * factor))),
+                min(height, max(1, round(height * factor))))
+
+    return fit
+
+
+def decode_image(image: ImageInput, fit: ImageFit | None = None) -> Any:
+    """The image as an RGB PIL image, scaled down to ``fit``'s size if that is smaller
+    (the HTTP side probed it; decoding can still fail)."""
     from PIL import Image
 
+    from mlxd.media.images import pillow_openers
+
     try:
-        with Image.open(io.BytesIO(image.data)) as im:
+        with Image.open(io.BytesIO(image.data), formats=pillow_openers()) as im:
+            size = fit(im.width, im.height) if fit is not None else im.size
+            if size != im.size:
+                im.draft("RGB", size)  # JPEG: decode at a reduced scale directly
+                src = im if im.mode in ("RGB", "L") else im.convert("RGB")
+                return src.resize(size, Image.Resampling.BICUBIC,
+                                  reducing_gap=3.0).convert("RGB")
             return im.convert("RGB")
     except Exception as e:  # PIL raises many kinds for damaged data
         raise InvalidRequest(f"The image could not be decoded: {e}", param="messages") from e

@@ -17,6 +17,27 @@ from mlxd.errors import InvalidRequest
 from mlxd.generation.params import ToolChoice, ToolSpec
 from mlxd.generation.tools import ToolCallFormat
 
+# content part type -> (what it holds, what to do instead); the wording names the content,
+# not the part type: an Anthropic image block arrives here as an 'image_url' part.
+_UNREADABLE = {
+    "image_url": ("images", "Use a vision-language model for images."),
+    "input_image": ("images", "Use a vision-language model for images."),
+    "image": ("images", "Use a vision-language model for images."),
+    "video_url": ("video", "Use a vision-language model for video."),
+    "input_audio": ("audio", "Transcribe it with POST /v1/audio/transcriptions (a speech-to-"
+                             "text model) and send the text."),
+    "file": ("files", "Send the file's text as a text part."),
+}
+
+
+def unreadable_part(kind: Any, where: str, reader: str) -> InvalidRequest:
+    """The 400 for a content part ``reader`` (e.g. "a text model") cannot read."""
+    if kind in _UNREADABLE:
+        what, instead = _UNREADABLE[kind]
+        return InvalidRequest(f"This model is {reader} and cannot read {what}. {instead}",
+                              param=where, code="unsupported_content")
+    return InvalidRequest(f"Unsupported content part type: {kind!r}", param=where)
+
 
 def content_text(content: Any, *, where: str = "messages") -> str:
     """Flatten OpenAI-style content (string or list of parts) into text.
@@ -36,12 +57,8 @@ def content_text(content: Any, *, where: str = "messages") -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("text", "input_text", "output_text"):
                 texts.append(str(part.get("text", "")))
-            elif kind in ("image_url", "input_image", "image", "input_audio", "file", "video_url"):
-                raise InvalidRequest(
-                    f"This model is a text model and cannot read '{kind}' content parts. "
-                    "Use a vision-language model for images.", param=where)
             else:
-                raise InvalidRequest(f"Unsupported content part type: {kind!r}", param=where)
+                raise unreadable_part(kind, where, "a text model")
         return "".join(texts)
     raise InvalidRequest("Message content must be a string or a list of parts.", param=where)
 

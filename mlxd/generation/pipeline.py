@@ -283,8 +283,8 @@ class OutputPipeline:
         freeform = {t.name for t in self._opt.tools if t.freeform}
         for call in calls:
             args = call["arguments"]
-            text = args.get("input") if isinstance(args, dict) else None
-            if call["name"] in freeform and isinstance(text, str):
+            text = _freeform_input(args) if call["name"] in freeform else None
+            if text is not None:
                 arguments, is_freeform = text, True  # the call's plain-text input
             else:
                 is_freeform = False
@@ -308,3 +308,15 @@ class OutputPipeline:
         else:
             events += self._emit(held)
         return events
+
+
+def _freeform_input(args: object) -> str | None:
+    """A freeform tool's text from JSON arguments: ``input``, or the one string value a
+    model put under another name (``{"patch": "..."}``)."""
+    if not isinstance(args, dict):
+        return None
+    text = args.get("input")
+    if isinstance(text, str):
+        return text
+    values = list(args.values())
+    return values[0] if len(values) == 1 and isinstance(values[0], str) else None

@@ -96,11 +96,10 @@ def tool_call_constraint(tools: list[ToolSpec], choice: ToolChoice, fmt: ToolCal
         raise InvalidRequest("tool_choice needs at least one matching tool.", param="tool_choice")
     functions = [t for t in chosen if not t.freeform]
     freeform = [t for t in chosen if t.freeform]
-    start = literal(fmt.start) if fmt.start else None
-    end = literal(fmt.end) if fmt.end else None
-    parts = [p for p in (start, "call", end) if p]
-    rules = [f"start: {' '.join(parts)}"]
-    alternatives = []
+    start = literal(fmt.start) if fmt.start else ""
+    end = literal(fmt.end) if fmt.end else ""
+    rules: list[str] = []
+    alternatives: list[str] = []
     if functions:
         for t in functions:
             _check_json_schema(t.parameters)
@@ -109,33 +108,35 @@ def tool_call_constraint(tools: list[ToolSpec], choice: ToolChoice, fmt: ToolCal
         # Compact JSON: flexible whitespace lets a weak model pad forever.
         schema["x-guidance"] = {"whitespace_flexible": False}
         rules.append(f"json_call: %json {json.dumps(schema)}")
-        alternatives.append("json_call")
-    subgrammars: list[dict[str, Any]] = []
-    # A textual end marker closes plain text as its suffix; one that is a single
-    # token can never appear in text.
-    textual_end = bool(fmt.end) and end == json.dumps(fmt.end)
-    for i, t in enumerate(freeform):
-        # A freeform call is written raw: the tool's name, a newline, the input text.
-        head = json.dumps(t.name + "\n")
-        if t.grammar is not None:
-            subgrammars.append({"name": f"input_{i}", "lark_grammar": _input_lark(t.grammar)})
-            rules.append(f"text_{i}: {head} @input_{i}")
-        else:
-            rules.append(f"text_{i}: {head} text_body_{i}")
-            option = f"[suffix={json.dumps(fmt.end)}]" if textual_end else ""
-            rules.append(f"text_body_{i}{option}: /(?s:.*)/")
-        alternatives.append(f"text_{i}")
-    if textual_end and any(t.grammar is None for t in freeform):
-        # the suffix already wrote the end marker after plain text
-        rules[0] = f"start: {' '.join(p for p in (start, 'call') if p)}"
-        alternatives = [a if a.startswith("text_") and freeform[int(a[5:])].grammar is None
-                        else f"{a} {end}" for a in alternatives]
-    rules.append("call: " + " | ".join(alternatives))
-    lark = "\n".join(rules) + "\n"
+        alternatives.append(f"json_call {end}")
+    subgrammars = _freeform_calls(freeform, fmt, end, rules, alternatives)
+    lark = "\n".join([f"start: {start} call", "call: " + " | ".join(alternatives), *rules]) + "\n"
     if not freeform:
         return Constraint("lark", lark)
     top = {"grammars": [{"lark_grammar": lark}, *subgrammars]}
     return Constraint("llguidance", json.dumps(top))
+
+
+def _freeform_calls(tools: list[ToolSpec], fmt: ToolCallFormat, end: str, rules: list[str],
+                    alternatives: list[str]) -> list[dict[str, Any]]:
+    """Add a forced call of each freeform tool to ``rules`` / ``alternatives``: written raw,
+    the tool's name, a newline, then the input under the tool's grammar (a sub-grammar,
+    returned) or as plain text."""
+    subgrammars: list[dict[str, Any]] = []
+    textual_end = bool(fmt.end) and end == _lark_literal(fmt.end)
+    for i, t in enumerate(tools):
+        head = json.dumps(t.name + "\n")
+        if t.grammar is not None:
+            subgrammars.append({"name": f"input_{i}", "lark_grammar": _input_lark(t.grammar)})
+            alternatives.append(f"{head} @input_{i} {end}")
+        elif textual_end:
+            # plain text ends at the textual end marker, which closes it as a suffix
+            rules.append(f"text_{i}[suffix={end}]: /(?s:.*)/")
+            alternatives.append(f"{head} text_{i}")
+        else:
+            # an end marker that is one token (or none) never appears in text
+            alternatives.append(f"{head} /(?s:.*)/ {end}")
+    return subgrammars
 
 
 def _input_lark(grammar: InputGrammar) -> str:

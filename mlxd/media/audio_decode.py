@@ -43,7 +43,8 @@ class DecodedAudio:
 
     def is_silent(self) -> bool:
         """No sample above digital silence (nothing for a model to transcribe)."""
-        return not self.samples.size or float(np.abs(self.samples).max()) < SILENCE_PEAK
+        samples = self.samples  # the peak from max and min: abs() would copy the recording
+        return not samples.size or max(float(samples.max()), -float(samples.min())) < SILENCE_PEAK
 
 
 def _bad_file(reason: str) -> InvalidRequest:
@@ -72,8 +73,30 @@ def _header_seconds(container: Any, stream: Any) -> float | None:
     return None
 
 
+def header_seconds(data: bytes) -> float | None:
+    """The duration the container's header states (None: it states none, or the file
+    cannot be opened; ``decode_audio`` says why)."""
+    try:
+        container = _open(data)
+    except InvalidRequest:
+        return None
+    with container:
+        stream = next((s for s in container.streams if s.type == "audio"), None)
+        return _header_seconds(container, stream) if stream is not None else None
+
+
+def decoded_bytes(seconds: float | None, limits: AudioLimits, rate: int = WHISPER_RATE) -> int:
+    """Bytes ``decode_audio`` holds for a recording whose header says ``seconds`` (None:
+    the longest the limits allow): one float32 buffer of the samples."""
+    longest = limits.seconds if seconds is None else min(max(seconds, 0.0), limits.seconds)
+    return 4 * (int(longest * rate) + rate)
+
+
 def decode_audio(data: bytes, limits: AudioLimits, rate: int = WHISPER_RATE) -> DecodedAudio:
-    """Decode ``data`` to mono float32 at ``rate`` Hz, checking ``limits`` first (400s)."""
+    """Decode ``data`` to mono float32 at ``rate`` Hz, checking ``limits`` first (400s).
+
+    The samples go into one buffer sized from the header (grown, up to the limits, when
+    the header is short of the truth), never a list of chunks plus their concatenation."""
     import av
 
     container = _open(data)
@@ -87,32 +110,52 @@ def decode_audio(data: bytes, limits: AudioLimits, rate: int = WHISPER_RATE) -> 
         if header is not None:
             limits.check_seconds(header)
         resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-        chunks: list[np.ndarray] = []
-        total, max_samples = 0, int(limits.seconds * rate) + rate
+        samples = _Samples(decoded_bytes(header, limits, rate) // 4,
+                           int(limits.seconds * rate) + rate)
         try:
             for frame in container.decode(stream):
                 for out in resampler.resample(frame):
-                    total += _append(chunks, out)
-                if total > max_samples:
-                    limits.check_seconds(total / rate)
+                    samples.append(out)
+                if samples.size > samples.most:
+                    limits.check_seconds(samples.size / rate)
             for out in resampler.resample(None):
-                total += _append(chunks, out)
+                samples.append(out)
         except av.error.FFmpegError as e:
-            if not chunks:
+            if not samples.size:
                 raise _bad_file(f"{type(e).__name__}: {e}") from None
             # A truncated or damaged tail: keep what decoded, as players do.
             log.info("audio upload damaged after %.2f s (%s); using what decoded",
-                     total / rate, e)
+                     samples.size / rate, e)
         name = codec.name or "unknown"
-    if not total:
+    if not samples.size:
         raise InvalidRequest("The uploaded audio decodes to no samples (0 seconds).",
                              param="file", code="invalid_audio")
-    samples = np.concatenate(chunks).astype(np.float32, copy=False)
-    limits.check_seconds(len(samples) / rate)
-    return DecodedAudio(samples, rate, int(codec.sample_rate), int(codec.channels), name)
+    limits.check_seconds(samples.size / rate)
+    return DecodedAudio(samples.result(), rate, int(codec.sample_rate), int(codec.channels),
+                        name)
 
 
-def _append(chunks: list[np.ndarray], frame: Any) -> int:
-    pcm = frame.to_ndarray().reshape(-1)  # packed "flt" mono: (1, n)
-    chunks.append(pcm)
-    return int(pcm.size)
+class _Samples:
+    """A float32 buffer filled frame by frame, grown by half when full (past ``most``
+    samples the caller refuses the recording)."""
+
+    def __init__(self, capacity: int, most: int) -> None:
+        self.buffer = np.empty(max(1, capacity), np.float32)
+        self.size = 0
+        self.most = most
+
+    def append(self, frame: Any) -> None:
+        pcm = frame.to_ndarray().reshape(-1)  # packed "flt" mono: (1, n)
+        end = self.size + pcm.size
+        if end > self.buffer.size:
+            grown = np.empty(max(end, self.buffer.size * 3 // 2), np.float32)
+            grown[:self.size] = self.buffer[:self.size]
+            self.buffer = grown
+        self.buffer[self.size:end] = pcm
+        self.size = end
+
+    def result(self) -> np.ndarray:
+        """The samples; a copy when the buffer is much larger than them."""
+        if self.size * 5 < self.buffer.size * 4:
+            return self.buffer[:self.size].copy()
+        return self.buffer[:self.size]

@@ -9,6 +9,10 @@ operator allows them (``--allow-private-media-urls``). The connection goes to
 the very address that was checked (the URL's host is replaced by it; Host
 header and TLS SNI keep the name), so a DNS answer that changes between the
 check and the connect (rebinding) cannot redirect it.
+
+The body is read as sent and a ``Content-Encoding`` (gzip, deflate, layered) is
+undone here, off the event loop, under the same size limit as the body: a
+client library that decodes for us would inflate a small bomb before any check.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import ipaddress
 import socket
 import ssl
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -185,20 +190,91 @@ def _parse(url: str, param: str) -> httpx.URL:
 
 async def _read_capped(response: httpx.Response, max_bytes: int, param: str,
                        budget: ByteBudget | None) -> bytes:
-    """The body, refused as soon as it passes ``max_bytes`` (declared or streamed)."""
+    """The body, refused as soon as it passes ``max_bytes`` (declared, streamed or decoded).
+
+    The bytes are read raw: httpx would undo a ``Content-Encoding`` chunk by chunk with
+    no bound on the output (3 KB of ``gzip, gzip`` is gigabytes), on the event loop.
+    ``decode_content`` undoes it here, on a thread, stopping at the same limit.
+    """
+    encodings = content_encodings(response.headers.get_list("content-encoding"), param)
     declared = response.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(param, max_bytes)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.aiter_bytes():  # decoded chunk by chunk, capped
+    async for chunk in response.aiter_raw():  # as sent: never decoded by httpx
         size += len(chunk)
         if size > max_bytes:
             raise _too_large(param, max_bytes)
         if budget is not None:
             budget.take(len(chunk), param)
         chunks.append(chunk)
-    return b"".join(chunks)
+    raw = b"".join(chunks)
+    if not encodings:
+        return raw
+    data = await asyncio.to_thread(decode_content, raw, encodings, max_bytes, param)
+    if budget is not None:
+        budget.take(max(0, len(data) - len(raw)), param)
+    return data
+
+
+# Content-Encoding names we undo, with zlib's wbits for each (gzip header; zlib header or
+# raw deflate, which servers send for "deflate" alike).
+_ZLIB_WBITS = {"gzip": 16 + 15, "x-gzip": 16 + 15, "deflate": 0}
+_DECODE_STEP = 64 * 1024  # output bytes per decompress call
+
+
+def content_encodings(values: list[str], param: str) -> list[str]:
+    """The encodings of ``Content-Encoding`` header values in the order they were applied
+    (``identity`` left out); a 400 for one this server does not undo."""
+    names = [n.strip().lower() for v in values for n in v.split(",") if n.strip()]
+    names = [n for n in names if n != "identity"]
+    for name in names:
+        if name not in _ZLIB_WBITS:
+            raise InvalidRequest(
+                f"Could not fetch {param}: the server sent it with Content-Encoding {name!r}; "
+                "this server accepts identity, gzip and deflate.", param=param,
+                code="media_fetch_failed")
+    return names
+
+
+def decode_content(raw: bytes, encodings: list[str], max_bytes: int, param: str) -> bytes:
+    """``raw`` with ``encodings`` undone, last applied first; a 413-style 400 as soon as any
+    layer's output passes ``max_bytes`` (nothing larger is ever allocated)."""
+    data = raw
+    for name in reversed(encodings):
+        data = _inflate(data, _ZLIB_WBITS[name], max_bytes, param, name)
+    return data
+
+
+def _inflate(data: bytes, wbits: int, max_bytes: int, param: str, name: str) -> bytes:
+    """One layer undone, at most ``_DECODE_STEP`` bytes per call (gzip members in turn)."""
+    if wbits == 0:  # "deflate": zlib-wrapped per the RFC, raw deflate from some servers
+        zlib_header = len(data) > 1 and data[0] & 0x0F == 8 and int.from_bytes(
+            data[:2], "big") % 31 == 0
+        wbits = 15 if zlib_header else -15
+    out = bytearray()
+    pending = data
+    try:
+        while pending:
+            inflater = zlib.decompressobj(wbits)
+            while not inflater.eof:
+                chunk = inflater.decompress(pending, _DECODE_STEP)
+                pending = inflater.unconsumed_tail
+                if not chunk and not pending:
+                    raise InvalidRequest(f"Could not fetch {param}: its {name} encoding is "
+                                         "truncated.", param=param, code="media_fetch_failed")
+                out += chunk
+                if len(out) > max_bytes:
+                    raise InvalidRequest(
+                        f"{param} is larger than {human_bytes(max_bytes)} once its "
+                        f"Content-Encoding ({name}) is undone.", param=param,
+                        code="media_too_large")
+            pending = inflater.unused_data if wbits > 16 else b""  # another gzip member
+    except zlib.error:
+        raise InvalidRequest(f"Could not fetch {param}: its {name} encoding is damaged.",
+                             param=param, code="media_fetch_failed") from None
+    return bytes(out)
 
 
 def _too_large(param: str, max_bytes: int) -> InvalidRequest:

@@ -15,13 +15,17 @@ import hashlib
 import io
 import re
 import warnings
+from collections.abc import Callable
 
 from mlxd.errors import InvalidRequest
 from mlxd.media.limits import human_bytes
 from mlxd.media.types import ImageInput
 
-# Pillow's names; MPO is the JPEG variant many phone cameras write.
+# Pillow's names; MPO is the JPEG variant many phone cameras write (Pillow 13 opens it
+# with its JPEG parser and has no "MPO" opener of its own).
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP")
+# (pixels, param): counts an image's pixels in its request's total, raising past it
+PixelTaker = Callable[[int, str], None]
 _HEADER_MAX = 256  # "data:<mime>;<params>," fits in this; the search for "," stops there
 _MIME = re.compile(r"[\w.+-]+/[\w.+-]+", re.ASCII)
 _SPACE = re.compile(rb"[ \t\r\n]+")
@@ -63,9 +67,19 @@ def parse_data_url(url: str, param: str, *, kind: str, max_bytes: int) -> tuple[
     return mime, data
 
 
+def pillow_openers() -> tuple[str, ...]:
+    """The ``IMAGE_FORMATS`` this Pillow has an opener for (``Image.open(formats=...)``
+    raises ``KeyError`` for a name it has none for, and that name differs by version)."""
+    from PIL import Image
+
+    Image.init()
+    return tuple(f for f in IMAGE_FORMATS if f in Image.OPEN)
+
+
 def probe_image(data: bytes, param: str, *, max_bytes: int, max_pixels: int,
-                source: str = "data") -> ImageInput:
-    """The image's format and size from its header, checked against the limits."""
+                source: str = "data", request_pixels: PixelTaker | None = None) -> ImageInput:
+    """The image's format and size from its header, checked against the limits (and
+    taken from the request's ``request_pixels`` before a pixel is decoded)."""
     from PIL import Image  # the vision extra; imported when an image arrives
 
     if len(data) > max_bytes:
@@ -75,7 +89,7 @@ def probe_image(data: bytes, param: str, *, max_bytes: int, max_pixels: int,
         with warnings.catch_warnings():
             # our pixel limit (below) is the bomb check; Pillow's own one only warns
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+            image = Image.open(io.BytesIO(data), formats=pillow_openers())
     except Image.DecompressionBombError:
         raise _too_many_pixels(param, max_pixels) from None
     except Exception:  # any parser failure on client bytes is a 400
@@ -88,6 +102,8 @@ def probe_image(data: bytes, param: str, *, max_bytes: int, max_pixels: int,
             raise InvalidRequest(f"{param} has no pixels.", param=param, code="invalid_image")
         if width * height > max_pixels:
             raise _too_many_pixels(param, max_pixels, width, height)
+        if request_pixels is not None:
+            request_pixels(width * height, param)
         try:
             # Within the limits now: decode once, so a truncated or damaged file is a 400
             # here rather than a failure inside the engine after the model is leased.

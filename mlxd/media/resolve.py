@@ -10,7 +10,8 @@ Responses adapters produce the same parts) becomes ``{"type": "image",
    the per-request byte limits, before any base64 is decoded;
 3. remote URLs fetched concurrently (a few at a time) under the SSRF guard,
    size-capped while streaming, sharing the request's byte budget;
-4. then probing (image headers) and video decoding, off the event loop.
+4. then probing (image headers) and video decoding, off the event loop, each image's
+   pixels counted against the request's decoded-pixel total before it is decoded.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from typing import Any, Literal, TypeVar
 from mlxd.errors import InvalidRequest
 from mlxd.media.fetch import ByteBudget, MediaFetcher
 from mlxd.media.images import data_url_size, parse_data_url, probe_image
-from mlxd.media.limits import MediaLimits, human_bytes
+from mlxd.media.limits import MediaLimits, PixelBudget, human_bytes
 from mlxd.media.types import IMAGE_PART, VIDEO_PART, ImageInput, VideoInput
 from mlxd.media.video import decode_video
 
 FETCH_CONCURRENCY = 4  # remote fetches of one request at a time
+# Images and videos of one request decoded at a time: an 8K image is 130 MB decoded, and
+# a request may carry 32 of them.
+DECODE_CONCURRENCY = 1
 MediaKind = Literal["image", "video"]
 _URL_PARTS: dict[str, MediaKind] = {"image_url": "image", "video_url": "video"}
 T = TypeVar("T")
@@ -115,17 +119,22 @@ def check_inline_sizes(refs: list[MediaRef], limits: MediaLimits, budget: ByteBu
         budget.take(size, ref.param)
 
 
-def _decode(ref: MediaRef, data: bytes, limits: MediaLimits, source: str) -> dict[str, Any]:
+def _decode(ref: MediaRef, data: bytes, limits: MediaLimits, source: str,
+            pixels: PixelBudget) -> dict[str, Any]:
     """The resolved part for ``data`` (runs on a worker thread)."""
     if ref.kind == "image":
         image = probe_image(data, ref.param, max_bytes=limits.image_bytes,
-                            max_pixels=limits.image_pixels, source=source)
+                            max_pixels=limits.image_pixels, source=source,
+                            request_pixels=pixels.take)
         return {"type": IMAGE_PART, IMAGE_PART: image}
-    return {"type": VIDEO_PART, VIDEO_PART: decode_video(data, ref.param, limits, source)}
+    clip = decode_video(data, ref.param, limits, source)
+    pixels.take(sum(int(f.shape[0]) * int(f.shape[1]) for f in clip.frames), ref.param)
+    return {"type": VIDEO_PART, VIDEO_PART: clip}
 
 
 async def _resolve_one(ref: MediaRef, limits: MediaLimits, fetcher: MediaFetcher | None,
-                       budget: ByteBudget, gate: asyncio.Semaphore) -> dict[str, Any]:
+                       budget: ByteBudget, pixels: PixelBudget,
+                       gate: asyncio.Semaphore, decoding: asyncio.Semaphore) -> dict[str, Any]:
     if ref.url.startswith("data:"):
         _, data = await asyncio.to_thread(parse_data_url, ref.url, ref.param, kind=ref.kind,
                                           max_bytes=_item_limit(ref, limits))
@@ -136,8 +145,8 @@ async def _resolve_one(ref: MediaRef, limits: MediaLimits, fetcher: MediaFetcher
             fetched = await fetcher.fetch(ref.url, max_bytes=_item_limit(ref, limits),
                                             param=ref.param, budget=budget)
         data, source = fetched.data, ref.url
-    async with gate:  # decoding is CPU work: as few at once as fetches
-        return await asyncio.to_thread(_decode, ref, data, limits, source)
+    async with decoding:
+        return await asyncio.to_thread(_decode, ref, data, limits, source, pixels)
 
 
 async def _all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -163,14 +172,17 @@ async def resolve_media(messages: list[dict[str, Any]], limits: MediaLimits, *,
         return messages
     check_counts(refs, limits)
     budget = ByteBudget(limits.request_bytes)
+    pixels = PixelBudget(limits.request_pixels)
     check_inline_sizes(refs, limits, budget)
     fetcher = None
     if any(not r.url.startswith("data:") for r in refs):
         # one client per request; made off the loop (loading CA certificates blocks)
         fetcher = await asyncio.to_thread(make_fetcher, limits)
     gate = asyncio.Semaphore(FETCH_CONCURRENCY)
+    decoding = asyncio.Semaphore(DECODE_CONCURRENCY)
     try:
-        parts = await _all([_resolve_one(r, limits, fetcher, budget, gate) for r in refs])
+        parts = await _all([_resolve_one(r, limits, fetcher, budget, pixels, gate, decoding)
+                            for r in refs])
     finally:
         if fetcher is not None:
             await fetcher.aclose()

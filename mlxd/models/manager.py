@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -23,7 +24,14 @@ from typing import Any, Generic, Protocol, TypeVar, cast, overload
 from mlxd.errors import Conflict, InsufficientStorage, InvalidRequest, ModelNotFound, Overloaded
 from mlxd.models.memory import format_bytes
 from mlxd.models.residency import Loader, ResidencyManager, State
-from mlxd.models.spec import Family, ModelEntry, ModelKind
+from mlxd.models.spec import (
+    Family,
+    ModelEntry,
+    ModelKind,
+    alias_specificity,
+    is_alias_pattern,
+)
+from mlxd.models.transient import TransientMemory
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +120,60 @@ class ModelManager:
         self._closing = False
         self._closed = asyncio.Event()  # set when shutdown begins: load waiters give up
         self.evictions = 0
+        self.transient = TransientMemory(self)  # decoded media of requests in flight
 
     # -- registry -----------------------------------------------------------
     def register(self, reg: Registration) -> ResidencyManager:
         if reg.entry.name in self._models:
             raise Conflict(f"A model named '{reg.entry.name}' is already registered.")
+        self.check_names(reg.entry)
         res = ResidencyManager(reg.entry, reg.kind, reg.estimate, self._loader,
                                reserve=reg.reserve, on_change=self._notify,
                                load_gate=self._device_lock,
                                on_loaded=self._observer.loaded if self._observer else None)
         self._models[reg.entry.name] = res
+        for alias in reg.entry.aliases:
+            self.alias(alias, reg.entry.name)
         return res
 
     def alias(self, alias: str, name: str) -> None:
+        """Let ``alias`` (an exact name or a glob pattern such as ``claude-*``) reach
+        registered model ``name``; 409 when it already reaches another model."""
+        self._check_alias_free(alias, name)
         self._aliases[alias] = name
+
+    def check_names(self, entry: ModelEntry) -> None:
+        """409 unless ``entry``'s name and aliases are free of other models' names and
+        aliases (the registry file's rule); call it before replacing a model."""
+        owner = self._aliases.get(entry.name)
+        if owner is not None and owner != entry.name and owner in self._models:
+            raise Conflict(f"'{entry.name}' is an alias of model '{owner}'.",
+                           code="alias_in_use")
+        for alias in entry.aliases:
+            if alias in self._models and alias != entry.name:
+                raise Conflict(f"Alias '{alias}' is the name of a model.", code="alias_in_use")
+            self._check_alias_free(alias, entry.name)
+
+    def _check_alias_free(self, alias: str, name: str) -> None:
+        owner = self._aliases.get(alias)
+        if owner is not None and owner != name and owner in self._models:
+            raise Conflict(f"Alias '{alias}' already belongs to model '{owner}'.",
+                           code="alias_in_use")
+
+    def aliases_of(self, name: str) -> list[str]:
+        """The aliases and alias patterns that reach registered model ``name``."""
+        return [a for a, n in self._aliases.items() if n == name]
+
+    def _match_pattern(self, name: str) -> str | None:
+        """The model of the most specific alias pattern matching ``name`` (ties: the
+        pattern registered first, i.e. file order), or None."""
+        best: tuple[int, str] | None = None
+        for pattern, target in self._aliases.items():
+            if is_alias_pattern(pattern) and fnmatch.fnmatchcase(name, pattern):
+                score = alias_specificity(pattern)
+                if best is None or score > best[0]:
+                    best = (score, target)
+        return best[1] if best else None
 
     async def unregister(self, name: str) -> None:
         """Remove a model (DELETE, or the first half of a replace); refused while in use.
@@ -159,6 +207,9 @@ class ModelManager:
             return name
         if name in self._aliases:
             return self._aliases[name]
+        matched = self._match_pattern(name)
+        if matched is not None:
+            return matched
         raise ModelNotFound(name, self.names)
 
     def get(self, name: str) -> ResidencyManager:
@@ -387,15 +438,23 @@ class ModelManager:
         for name in names:
             await self.load(name)
 
+    def idle_ttl(self, res: ResidencyManager) -> float | None:
+        """Idle seconds before ``res`` unloads: a client's ``keep_alive``, else the entry's
+        ``ttl_seconds``, else the server's default (None: never; pinned models never)."""
+        if res.pinned:
+            return None
+        for ttl in (res.keep_alive, res.entry.ttl_seconds, self.policy.idle_unload_seconds):
+            if ttl is not None:
+                return ttl
+        return None
+
     async def _reap(self) -> None:
         """Unload models idle past their TTL (per model, or the manager default)."""
         while not self._closing:
             await asyncio.sleep(self.policy.reaper_interval_s)
             now = time.monotonic()
             for res in list(self._models.values()):
-                ttl = res.entry.ttl_seconds
-                if ttl is None:
-                    ttl = self.policy.idle_unload_seconds
+                ttl = self.idle_ttl(res)
                 if ttl is None or res.pinned or res.state != State.LOADED or res.leases:
                     continue
                 if res.idle_for(now) >= ttl:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from mlxd.errors import validation_text
 from mlxd.jsonfile import atomic_write_text
 from mlxd.models.spec import ModelEntry
 
@@ -92,7 +93,7 @@ def _describe(errors: list[Any], data: dict[str, Any], root: yaml.Node | None, p
                 f"models entry {loc[1] + 1}, field '{field_path}'"
         line = _line_of(root, loc)
         at = f"{path}:{line}" if line else str(path)
-        lines.append(f"{at}: {where}: {err['msg']}")
+        lines.append(f"{at}: {where}: {validation_text(err)}")
     return "Invalid registry file:\n  " + "\n  ".join(lines)
 
 
@@ -117,7 +118,24 @@ def parse_registry(text: str, path: Path) -> RegistryData:
             raise RegistryError(f"{path}:{line}: model name '{entry.name}' is defined twice "
                                 f"(entries {seen[entry.name] + 1} and {i + 1})")
         seen[entry.name] = i
+    _check_aliases(registry, root, path)
     return registry
+
+
+def _check_aliases(registry: RegistryData, root: yaml.Node | None, path: Path) -> None:
+    """An alias (exact or pattern) names one model; an exact alias is no model's name."""
+    names = {entry.name for entry in registry.models}
+    owner: dict[str, str] = {}
+    for i, entry in enumerate(registry.models):
+        for alias in entry.aliases:
+            line = _line_of(root, ("models", i, "aliases"))
+            if alias in names:
+                raise RegistryError(f"{path}:{line}: alias '{alias}' of model '{entry.name}' "
+                                    "is the name of a model")
+            if alias in owner:
+                raise RegistryError(f"{path}:{line}: alias '{alias}' is given to both "
+                                    f"'{owner[alias]}' and '{entry.name}'")
+            owner[alias] = entry.name
 
 
 @contextmanager

@@ -120,6 +120,9 @@ class ResidencyManager:
         self.load_seconds: float | None = None
         self.draining = False
         self.retired = False  # unregistered or replaced: never leased or loaded again
+        # Idle seconds before unload set by a client (Ollama's keep_alive; inf: never),
+        # ahead of the entry's ttl_seconds and the server's --idle-unload-seconds.
+        self.keep_alive: float | None = None
         self._closing = False  # shutdown began
         self._job: _LoadJob | None = None
         self._load_task: asyncio.Task[LoadedModel] | None = None

@@ -86,6 +86,44 @@ class ServingDefaults(BaseModel):
     max_context: int | None = Field(None, gt=0)
 
 
+_GLOB_CHARS = frozenset("*?[")
+
+
+def is_alias_pattern(alias: str) -> bool:
+    """Whether ``alias`` is a glob pattern (``*``, ``?``, ``[...]``, as ``fnmatch``)."""
+    return any(c in _GLOB_CHARS for c in alias)
+
+
+def alias_specificity(pattern: str) -> int:
+    """How specific a glob pattern is: its count of literal characters outside ``[...]``.
+
+    ``claude-3-5-haiku*`` (16) beats ``claude-*`` (7) for ``claude-3-5-haiku-latest``.
+    """
+    literal, in_class = 0, False
+    for c in pattern:
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c not in "*?":
+            literal += 1
+    return literal
+
+
+def validate_aliases(aliases: list[str]) -> list[str]:
+    """``aliases`` if each is a usable name or pattern, else ``ValueError`` saying why."""
+    for alias in aliases:
+        if not alias or alias.strip() != alias or alias.startswith("/"):
+            raise ValueError(f"alias {alias!r} must be non-empty, not start with '/' and "
+                             "have no surrounding spaces")
+        if is_alias_pattern(alias) and alias_specificity(alias) == 0:
+            raise ValueError(f"alias pattern {alias!r} would match every name; give it "
+                             "at least one literal character (e.g. 'claude-*')")
+    if len(set(aliases)) != len(aliases):
+        raise ValueError("an alias is listed twice")
+    return aliases
+
+
 class ModelEntry(BaseModel):
     """One served model name in the registry file."""
 
@@ -93,6 +131,12 @@ class ModelEntry(BaseModel):
 
     name: str = Field(min_length=1)
     source: str = Field(min_length=1)
+    # Other names this model answers to: exact names or glob patterns ("claude-*",
+    # "gpt-4o-mini-tts"). Resolution: a registered name, then an exact alias, then the
+    # most specific matching pattern (see alias_specificity); file order breaks ties.
+    aliases: list[str] = Field(default_factory=list, max_length=64)
+    # Text-to-speech: other voice names (OpenAI's "alloy", ...) -> one of the model's voices.
+    voice_aliases: dict[str, str] = Field(default_factory=dict, max_length=256)
     revision: str | None = None
     kind: ModelKind | None = None
     pinned: bool = False
@@ -113,6 +157,19 @@ class ModelEntry(BaseModel):
     def _name(cls, v: str) -> str:
         if v.strip() != v or ("/" in v and v.startswith("/")):
             raise ValueError("name must not start with '/' or have surrounding spaces")
+        return v
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, v: list[str]) -> list[str]:
+        return validate_aliases(v)
+
+    @field_validator("voice_aliases")
+    @classmethod
+    def _voice_aliases(cls, v: dict[str, str]) -> dict[str, str]:
+        for alias, voice in v.items():
+            if not alias.strip() or not voice.strip():
+                raise ValueError("voice_aliases maps a non-empty voice name to a voice")
         return v
 
     @field_validator("estimated_memory", mode="before")

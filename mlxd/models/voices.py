@@ -65,13 +65,22 @@ def voices_in(folder: Path) -> list[VoiceFile]:
     return kokoro_voices(folder)
 
 
-def check_voice(voice: str, voices: list[str], model: str) -> None:
-    """400 naming the voices when ``voice`` is not one of them ([]: not known yet)."""
+def check_voice(voice: str, voices: list[str], model: str,
+                aliases: dict[str, str] | None = None) -> None:
+    """400 naming the voices (and the names that map onto them, ``aliases``) when
+    ``voice`` is not one of them ([]: not known yet)."""
     if voices and voice not in voices:
         names = ", ".join(voices)
-        raise InvalidRequest(f"Model '{model}' has no voice '{voice}'; its voices: {names} "
-                             "(GET /v1/audio/voices?model=... lists them).",
+        also = f"; other names it takes: {', '.join(aliases)}" if aliases else ""
+        raise InvalidRequest(f"Model '{model}' has no voice '{voice}'; its voices: {names}"
+                             f"{also} (GET /v1/audio/voices?model=... lists them).",
                              param="voice", code="unknown_voice")
+
+
+def resolve_voice(voice: str, aliases: dict[str, str]) -> str:
+    """The model's own voice for ``voice``: itself, or what a registry alias maps it to
+    (``voice_aliases: {alloy: joe}``). A model's own voice wins over an alias of that name."""
+    return aliases.get(voice, voice)
 
 
 def check_speed(speed: float) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
@@ -22,7 +22,7 @@ class SpeechCreateRequest(BaseModel):
     model: str = Field(min_length=1)
     input: str
     voice: str = Field(min_length=1)
-    speed: float = 1.0
+    speed: StrictFloat = 1.0  # a JSON number: not "2.5", not true
     response_format: SpeechFormat = "mp3"
     # "audio": the encoded file, sent in chunks as it is made; "sse": base64 chunks in
     # speech.audio.delta events, then speech.audio.done.

@@ -25,7 +25,12 @@ from mlxd.models.manager import ModelManager
 from mlxd.models.qualification import check_qualified
 from mlxd.server.context import ServerContext
 from mlxd.server.errors import install_error_handlers
-from mlxd.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from mlxd.server.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    HostCheckMiddleware,
+    allowed_hosts,
+)
 from mlxd.server.multipart import MAX_FORM_OVERHEAD_BYTES
 from mlxd.server.observe import RequestMetrics, RequestObserver
 from mlxd.server.openapi import install_openapi
@@ -38,6 +43,7 @@ from mlxd.server.routes import (
     health,
     metrics,
     models,
+    ollama,
     playground,
     rerank,
     responses,
@@ -100,7 +106,7 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
     install_error_handlers(app)
     install_openapi(app, config)
     for module in (health, models, chat, completions, responses, anthropic, embeddings, rerank,
-                   tokenize, metrics, playground, speech):
+                   tokenize, metrics, playground, speech, ollama):
         app.include_router(module.router)
     app.include_router(transcriptions.router)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_api_key)
@@ -113,5 +119,8 @@ def build_app(config: ServerConfig, *, catalog: Catalog | None = None, loader: A
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins,
                            allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["X-Request-Id"])
+    hosts = allowed_hosts(config.allowed_hosts, config.api_key, config.host)
+    if hosts is not None:  # before auth and limits: a rebinding page learns nothing
+        app.add_middleware(HostCheckMiddleware, allowed=hosts)
     app.add_middleware(RequestObserver)  # outermost: sees every response, refusals included
     return app

@@ -24,6 +24,7 @@ import errno
 import logging
 import math
 import resource
+import socket
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -326,6 +327,25 @@ class GuardedServer(uvicorn.Server):
             left = drain.deadline - time.monotonic()
             self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
         return await super().on_tick(counter)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Bind ``host:port`` now (``OSError`` if taken), for ``server.serve(sockets=[...])``.
+
+    ``mlxd serve`` binds before it converts and loads models, so a port in use fails in
+    a second with one line instead of after minutes of loading. It listens only when
+    uvicorn starts: until then a client is refused rather than left waiting.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def guarded_server(app: Any, config: ServerConfig,

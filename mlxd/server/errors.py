@@ -2,6 +2,7 @@
 
 OpenAI: ``{"error": {"message", "type", "param", "code"}}``.
 Anthropic (``/v1/messages``): ``{"type": "error", "error": {"type", "message"}}``.
+Ollama (``/api/*``): ``{"error": "message"}``.
 Validation errors and malformed JSON are 400s; nothing a client sends
 produces a 500.
 """
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from mlxd.errors import MlxdError
+from mlxd.errors import MlxdError, validation_text
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,15 @@ def is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages")
 
 
+def is_ollama(path: str) -> bool:
+    """Ollama's native API answers errors as ``{"error": "message"}``."""
+    return path.startswith("/api/")
+
+
 def error_body(request: Request, status: int, message: str, *, error_type: str | None = None,
                param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    if is_ollama(request.url.path):
+        return {"error": message}
     if is_anthropic(request):
         return {"type": "error",
                 "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
@@ -81,10 +89,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         where = ".".join(loc) or "body"
         param = param or (where if loc else None)
-        msg = err.get("msg", "invalid value")
-        if err.get("type") == "missing":
-            msg = "field required"
-        parts.append(f"{where}: {msg}")
+        parts.append(f"{where}: {validation_text(err)}")
     return "Invalid request: " + "; ".join(parts), param
 
 

@@ -1,24 +1,29 @@
-"""ASGI middleware: request body limit and API-key authentication."""
+"""ASGI middleware: Host check, request body limit and API-key authentication."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # The playground's page and static files are public too: they hold no data, and the
 # page asks for the key itself when the API answers 401 (server/routes/playground.py).
-PUBLIC_PATHS = frozenset({"/health", "/healthz", "/", "/ui"})
+PUBLIC_PATHS = frozenset({"/health", "/healthz", "/", "/ui", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/ui/",)
 ADMIN_ROUTES = (("POST", "/v1/models/load"), ("POST", "/v1/models/unload"),
-                ("PUT", "/v1/models"), ("DELETE", "/v1/models/"))
+                ("PUT", "/v1/models"), ("DELETE", "/v1/models/"),
+                ("POST", "/api/pull"), ("DELETE", "/api/delete"))
 
 
 def _error_payload(path: str, status: int, message: str, kind: str) -> bytes:
-    if path.startswith("/v1/messages"):
-        body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+    if path.startswith("/api/"):  # Ollama's shape
+        body: dict[str, Any] = {"error": message}
+    elif path.startswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": kind, "message": message}}
     else:
         body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     return json.dumps(body).encode()
@@ -141,3 +146,75 @@ class AuthMiddleware:
                               [(b"www-authenticate", b"Bearer")])
             return
         await self.app(scope, receive, send)
+
+
+# Host names every server answers to: this machine, by name or loopback address.
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+HOST_CHECK_EXEMPT = frozenset({"/health", "/healthz"})  # probes send the pod's address
+
+
+def host_of(header: str) -> str:
+    """The host of a ``Host`` header, without its port, lower case, no trailing dot."""
+    host = header.strip().lower()
+    if host.startswith("["):
+        host = host[1:].partition("]")[0]
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    return host.rstrip(".")
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(configured: Iterable[str] | None, api_key: str | None,
+                  bind: str) -> frozenset[str] | None:
+    """The host names a server answers to (None: any). Without ``--allowed-hosts`` a server
+    with no API key answers to loopback names only (and the address it is bound to, when
+    not a wildcard), so a web page cannot reach it through DNS rebinding; a server with
+    an API key answers to any. ``*`` among them turns the check off."""
+    if configured is None:
+        if api_key:
+            return None
+        configured = ()
+    names = {host_of(h) for h in configured if h.strip()}
+    if "*" in names:
+        return None
+    bound = host_of(bind)
+    if bound not in ("", "0.0.0.0", "::"):
+        names.add(bound)
+    return frozenset(names)
+
+
+class HostCheckMiddleware:
+    """Refuse (400, in the API's error shape) a request whose ``Host`` header names a host
+    this server does not answer to: loopback names and ``allowed``. A request without a
+    Host header (HTTP/1.0: no browser sends one) passes."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or \
+                scope.get("path", "") in HOST_CHECK_EXEMPT:
+            await self.app(scope, receive, send)
+            return
+        header = next((v.decode("latin-1") for n, v in scope.get("headers", [])
+                       if n == b"host"), None)
+        host = host_of(header) if header is not None else None
+        if host is None or _is_loopback(host) or host in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await _send_error(send, scope.get("path", ""), 400,
+                          f"Host '{host[:100]}' is not allowed: without an API key this server "
+                          "answers only to localhost and the names given to --allowed-hosts "
+                          "(a guard against DNS rebinding).", "invalid_request_error")

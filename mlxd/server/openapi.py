@@ -6,8 +6,10 @@ document once and then:
 
 * replaces 422 by the statuses each route really answers (400, 401, 403, 404,
   409, 413, 500, 503, 507), each with its body schema: OpenAI's ``error``
-  object, or Anthropic's ``{"type": "error"}`` on ``/v1/messages``;
-* adds ``text/event-stream`` to the streaming routes and Prometheus text to
+  object, Anthropic's ``{"type": "error"}`` on ``/v1/messages``, Ollama's
+  ``{"error": "..."}`` on ``/api/*``;
+* adds ``text/event-stream`` to the streaming routes (``application/x-ndjson`` to
+  Ollama's) and Prometheus text to
   ``/metrics``;
 * writes the server's configured limits (``--max-n``, ``--max-rerank-documents``)
   into the request schemas (an embedding ``input`` list may be one token list, so
@@ -28,6 +30,7 @@ from mlxd.config import ServerConfig
 
 OPENAI_ERROR = "OpenAIError"
 ANTHROPIC_ERROR = "AnthropicError"
+OLLAMA_ERROR = "OllamaError"
 
 _ERROR_SCHEMAS: dict[str, Any] = {
     OPENAI_ERROR: {
@@ -42,6 +45,8 @@ _ERROR_SCHEMAS: dict[str, Any] = {
         "properties": {"type": {"const": "error"}, "error": {
             "type": "object", "required": ["type", "message"],
             "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}},
+    OLLAMA_ERROR: {"type": "object", "required": ["error"],
+                   "properties": {"error": {"type": "string"}}},
 }
 
 # OpenAPI 3.1 (before ``itemSchema``): the ``schema`` of an event stream is one event.
@@ -78,16 +83,21 @@ _STATUSES: dict[tuple[str, str], tuple[int, ...]] = {
     ("delete", "/v1/responses/{response_id}"): (404,),
     ("get", "/tokenizer_info"): (400, 404, 500, 503, 507),
     ("get", "/v1/audio/voices"): (400, 404),
+    ("post", "/api/show"): (400, 404, 413),
+    ("delete", "/api/delete"): (400, 404, 409, 413),
+    ("post", "/api/pull"): (400, 409, 413),
 }
 _MODEL_CALLS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                 "/v1/messages/count_tokens", "/v1/embeddings", "/v1/rerank", "/rerank",
                 "/v2/rerank", "/tokenize", "/detokenize", "/v1/audio/transcriptions",
-                "/v1/audio/translations", "/v1/audio/speech"}
+                "/v1/audio/translations", "/v1/audio/speech", "/api/chat", "/api/generate",
+                "/api/embed", "/api/embeddings"}
 STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
              "/v1/audio/transcriptions", "/v1/audio/speech"}
+NDJSON_STREAMING = {"/api/chat", "/api/generate", "/api/pull"}  # Ollama: one JSON per line
 PUBLIC = {"/health", "/healthz"}
 ADMIN = {("post", "/v1/models/load"), ("post", "/v1/models/unload"), ("put", "/v1/models"),
-         ("delete", "/v1/models/{name}")}
+         ("delete", "/v1/models/{name}"), ("post", "/api/pull"), ("delete", "/api/delete")}
 
 
 def _statuses(method: str, path: str, config: ServerConfig) -> list[int]:
@@ -102,7 +112,8 @@ def _statuses(method: str, path: str, config: ServerConfig) -> list[int]:
 
 
 def _error_response(status: int, path: str) -> dict[str, Any]:
-    name = ANTHROPIC_ERROR if path.startswith("/v1/messages") else OPENAI_ERROR
+    name = (ANTHROPIC_ERROR if path.startswith("/v1/messages") else
+            OLLAMA_ERROR if path.startswith("/api/") else OPENAI_ERROR)
     response: dict[str, Any] = {
         "description": _DESCRIPTIONS[status],
         "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}
@@ -139,6 +150,8 @@ def _fix_operation(method: str, path: str, op: dict[str, Any], config: ServerCon
     ok = responses.get("200", {}).setdefault("content", {})
     if path in STREAMING:
         ok["text/event-stream"] = {"schema": SSE_EVENT}
+    if path in NDJSON_STREAMING:  # the schema of one line, as for an event stream
+        ok["application/x-ndjson"] = {"schema": ok.get("application/json", {}).get("schema", {})}
     if path == "/health":  # the same body, "status": "draining", while shutting down
         responses["503"] = {"description": "Shutting down (draining); see Retry-After",
                             "content": ok, "headers": _error_response(503, path)["headers"]}

@@ -35,6 +35,7 @@ from mlxd.protocol.responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
+    GrammarInputFormat,
     HostedTool,
     ImagePart,
     MessageItem,
@@ -212,9 +213,9 @@ def tool_table(req: ResponsesRequest) -> ToolTable:
 
 def _input_grammar(tool: CustomTool, where: str) -> InputGrammar | None:
     fmt = tool.format
-    if fmt is None or fmt.type == "text":
+    if not isinstance(fmt, GrammarInputFormat):
         return None
-    grammar = InputGrammar(fmt.syntax, fmt.definition)  # type: ignore[union-attr]
+    grammar = InputGrammar(fmt.syntax, fmt.definition)
     check_input_grammar(grammar, param=f"{where}.format.definition")
     return grammar
 
@@ -222,11 +223,11 @@ def _input_grammar(tool: CustomTool, where: str) -> InputGrammar | None:
 def _freeform_description(tool: CustomTool) -> str:
     """What the model reads about a freeform tool: its description and input format."""
     fmt = tool.format
-    if fmt is None or fmt.type == "text":
+    if not isinstance(fmt, GrammarInputFormat):
         rule = "Put the tool's whole input, as plain text, in `input`."
     else:
         rule = (f"Put the tool's whole input in `input`; it must follow this "
-                f"{fmt.syntax} grammar:\n{fmt.definition}")  # type: ignore[union-attr]
+                f"{fmt.syntax} grammar:\n{fmt.definition}")
     return f"{tool.description}\n\n{rule}" if tool.description else rule
 
 

@@ -18,10 +18,12 @@ from mlxd.engines.base import CHAT, TextGenerator
 from mlxd.errors import InvalidRequest
 from mlxd.generation.events import Event, Finish, Usage
 from mlxd.generation.params import GenerationRequest, SamplingParams
-from mlxd.media.limits import MediaLimits
+from mlxd.media.limits import MediaLimits, prepared_media_bytes
 from mlxd.media.resolve import has_media, resolve_media
+from mlxd.media.types import resolved_media
 from mlxd.models.manager import ModelLease
 from mlxd.models.spec import Family, ModelKind, ServingDefaults
+from mlxd.models.transient import TransientHold
 from mlxd.server.context import ServerContext
 from mlxd.server.observe import current_record
 from mlxd.server.sse import with_keepalive
@@ -123,6 +125,16 @@ async def resolve_request_media(ctx: ServerContext, model: str, request: Generat
                                                MediaLimits.from_config(ctx.config))
 
 
+async def hold_media_memory(ctx: ServerContext,
+                            request: GenerationRequest) -> TransientHold | None:
+    """Count what preparing the request's resolved images and videos holds in the memory
+    budget (waiting while other requests' media fill it); None without media."""
+    nbytes = prepared_media_bytes(resolved_media(request.messages or []))
+    if not nbytes:
+        return None
+    return await ctx.manager.transient.hold(nbytes, "this request's decoded images and videos")
+
+
 class TextSession:
     """A leased text model with one prepared request; close it when done.
 
@@ -131,10 +143,12 @@ class TextSession:
     """
 
     def __init__(self, lease: ModelLease[TextGenerator], prepared: PreparedPrompt,
-                 n: int, keepalive_interval: float = 5.0) -> None:
+                 n: int, media: TransientHold | None = None,
+                 keepalive_interval: float = 5.0) -> None:
         self.lease = lease
         self.prepared = prepared
         self.n = n
+        self.media = media  # the decoded media's bytes in the budget, until close
         self.keepalive_interval = keepalive_interval
 
     @property
@@ -167,16 +181,26 @@ class TextSession:
         if n > ctx.config.max_n:
             raise InvalidRequest(f"n must be at most {ctx.config.max_n}", param="n")
         await resolve_request_media(ctx, model, request, family, endpoint)
-        lease = await ctx.manager.acquire(model, family, endpoint)
+        media = await hold_media_memory(ctx, request)
+        try:
+            lease = await ctx.manager.acquire(model, family, endpoint)
+        except BaseException:
+            if media is not None:
+                await media.release()
+            raise
         try:
             prepared = await lease.engine.prepare(request)
         except BaseException:
             await lease.release()
+            if media is not None:
+                await media.release()
             raise
-        return cls(lease, prepared, n, ctx.config.keepalive_interval)
+        return cls(lease, prepared, n, media, ctx.config.keepalive_interval)
 
     async def close(self) -> None:
         await self.lease.release()
+        if self.media is not None:
+            await self.media.release()
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """Events of all choices, interleaved, tagged with the choice index.

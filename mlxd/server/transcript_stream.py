@@ -12,7 +12,7 @@ lease is held until the stream ends (a client that goes away ends it).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -22,6 +22,8 @@ from mlxd.errors import MlxdError
 from mlxd.models.manager import ModelLease
 from mlxd.server.sse import SSE_HEADERS, sse_data
 from mlxd.server.transcript_formats import usage
+
+OnClose = Callable[[], Awaitable[None]]
 
 
 class _Pieces:
@@ -60,8 +62,8 @@ def _delta(text: str) -> str:
     return sse_data({"type": "transcript.text.delta", "delta": text})
 
 
-async def _events(first: str | None, pieces: _Pieces,
-                  lease: ModelLease[Transcriber]) -> AsyncIterator[str]:
+async def _events(first: str | None, pieces: _Pieces, lease: ModelLease[Transcriber],
+                  on_close: OnClose) -> AsyncIterator[str]:
     sent = ""
     try:
         piece = first
@@ -83,17 +85,24 @@ async def _events(first: str | None, pieces: _Pieces,
                                                    "param": e.param, "code": e.code}})
     finally:
         await lease.release()
+        await on_close()
 
 
-async def stream_transcription(lease: ModelLease[Transcriber],
-                               job: TranscriptionRequest) -> StreamingResponse:
+async def _nothing() -> None:
+    pass
+
+
+async def stream_transcription(lease: ModelLease[Transcriber], job: TranscriptionRequest,
+                               on_close: OnClose = _nothing) -> StreamingResponse:
     """The SSE response; raises (a plain error response) if the job fails before its
-    first piece. Takes ownership of ``lease``."""
+    first piece. Takes ownership of ``lease``; ``on_close`` runs once the stream ends
+    (or fails to start)."""
     try:
         pieces = _Pieces(lease.engine, job)
         first = await pieces.next()
     except BaseException:
         await lease.release()
+        await on_close()
         raise
-    body: Any = _events(first, pieces, lease)
+    body: Any = _events(first, pieces, lease, on_close)
     return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from mlxd.errors import validation_text
 from mlxd.models.registry import RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind, ServingDefaults
 from mlxd.sources.manifest import (
@@ -83,7 +84,7 @@ def build_entry(name: str, source: str, *, kind: ModelKind | None,
                           defaults=ServingDefaults(**defaults),
                           **{k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {validation_text(err)}"
                              for err in e.errors())
         raise WorkflowError(f"invalid registry entry for '{name}': {problems}") from None
 

@@ -39,15 +39,28 @@ def bomb_png(width: int = 60_000, height: int = 60_000) -> bytes:
             + _chunk(b"IDAT", zlib.compress(b"\0" * 64)) + _chunk(b"IEND", b""))
 
 
-def video(seconds: float = 2.0, fps: int = 10, width: int = 64, height: int = 48) -> bytes:
-    """An MPEG-4 video whose frame i is solid grey level 8*i (PyAV's own encoder)."""
+def image(fmt: str, width: int = 40, height: int = 30,
+          color: tuple[int, int, int] = (30, 160, 90)) -> bytes:
+    """A solid-colour image in Pillow's format ``fmt`` (PNG, JPEG, MPO, WEBP, GIF, BMP)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, fmt)
+    return out.getvalue()
+
+
+def video(seconds: float = 2.0, fps: int = 10, width: int = 64, height: int = 48,
+          container_format: str = "mp4", codec: str = "mpeg4",
+          pix_fmt: str = "yuv420p") -> bytes:
+    """A video whose frame i is solid grey level 8*i (PyAV's own encoders; MPEG-4 in MP4
+    unless ``container_format`` / ``codec`` say otherwise)."""
     import av
     import numpy as np
 
     out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+    with av.open(out, "w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
         for i in range(round(seconds * fps)):
             rgb = np.full((height, width, 3), (8 * i) % 256, np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):

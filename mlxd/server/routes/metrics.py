@@ -33,6 +33,9 @@ class ManagerCollector:
                                 value=manager.policy.budget_bytes)
         yield GaugeMetricFamily("mlxd_memory_used_bytes", "Bytes held against the budget",
                                 value=manager.used_bytes())
+        yield GaugeMetricFamily("mlxd_memory_transient_bytes", "Bytes requests hold outside "
+                                "the models (decoded images, audio samples), in the budget",
+                                value=manager.transient.held)
         yield CounterMetricFamily("mlxd_evictions", "Models evicted to make room",
                                   value=manager.evictions)
         state = GaugeMetricFamily("mlxd_model_state", "1 for the model's current state",

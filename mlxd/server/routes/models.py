@@ -37,7 +37,7 @@ def _iso(monotonic: float | None) -> str | None:
 
 
 def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
-    aliases = [a for a, n in ctx.manager._aliases.items() if n == res.name]
+    aliases = ctx.manager.aliases_of(res.name)
     card: dict[str, Any] = {
         "id": res.name, "object": "model", "created": int(ctx.started_at), "owned_by": "mlxd",
         "kind": str(res.kind), "state": str(res.state), "pinned": res.pinned,
@@ -112,6 +112,7 @@ def prepare_registration(entry: ModelEntry, ctx: ServerContext) -> Registration:
 async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     """Add (or replace, when not in use) a registry entry at run time."""
     # Never on the event loop: detection and hashing read files, the registry write fsyncs.
+    ctx.manager.check_names(entry)  # before anything is replaced
     reg = await asyncio.to_thread(prepare_registration, entry, ctx)
     replaced = entry.name in ctx.manager.names
     if replaced:

@@ -39,6 +39,13 @@ async def index() -> FileResponse:
     return _file("index.html")
 
 
+@router.get("/favicon.ico")
+async def favicon() -> FileResponse:
+    """The page's icon (browsers ask for it on every site; a 404 would fill the logs)."""
+    return FileResponse(STATIC / "favicon.ico", media_type="image/x-icon",
+                        headers={"Cache-Control": "max-age=86400"})
+
+
 @router.get(UI_PREFIX + "{name}")
 async def asset(name: str) -> FileResponse:
     """One of the page's static files (a fixed list)."""

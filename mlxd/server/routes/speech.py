@@ -27,7 +27,7 @@ from mlxd.models.catalog import CatalogError, local_path_of
 from mlxd.models.manager import ModelLease
 from mlxd.models.residency import ResidencyManager
 from mlxd.models.spec import TTS_KINDS
-from mlxd.models.voices import VoiceFile, check_speed, check_voice, voices_in
+from mlxd.models.voices import VoiceFile, check_speed, check_voice, resolve_voice, voices_in
 from mlxd.protocol.speech import SpeechCreateRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
@@ -129,11 +129,14 @@ async def create_speech(req: SpeechCreateRequest,
     check_input(req.input, ctx.config.max_speech_input_chars)
     check_speed(req.speed)
     res = ctx.manager.get(req.model)
-    check_voice(req.voice, [v.id for v in model_voices(ctx, res)], res.name)
+    own = [v.id for v in model_voices(ctx, res)]
+    aliases = res.entry.voice_aliases
+    voice = req.voice if req.voice in own else resolve_voice(req.voice, aliases)
+    check_voice(voice, own, res.name, aliases)
     lease = await ctx.manager.acquire(req.model, SPEECH, ENDPOINT)
     try:
         engine: SpeechSynthesizer = lease.engine
-        chunks = engine.synthesize(SpeechRequest(text=req.input, voice=req.voice,
+        chunks = engine.synthesize(SpeechRequest(text=req.input, voice=voice,
                                                  speed=req.speed, instructions=req.instructions))
         first = await anext(chunks, None)  # errors here are still an HTTP status
         rate = first.sample_rate if first else int(engine.describe().get("sample_rate", 24000))
@@ -157,6 +160,7 @@ async def list_voices(model: str | None = Query(None, description="a text-to-spe
         residencies = [ctx.manager.get(model)]
     else:
         residencies = [r for r in ctx.manager.residencies() if r.kind in TTS_KINDS]
-    data = [{"id": v.id, "name": v.name, "language": v.language, "model": r.name}
+    data = [{"id": v.id, "name": v.name, "language": v.language, "model": r.name,
+             "aliases": [a for a, target in r.entry.voice_aliases.items() if target == v.id]}
             for r in residencies for v in model_voices(ctx, r)]
     return JSONResponse({"object": "list", "data": data})

@@ -31,7 +31,7 @@ from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import tool_choice, tool_specs
 from mlxd.server.routes.chat import canonical_messages
-from mlxd.server.text_session import resolve_request_media
+from mlxd.server.text_session import hold_media_memory, resolve_request_media
 
 router = APIRouter(route_class=StrictJSONRoute)
 TOKENIZE, DETOKENIZE, TOKENIZER_INFO = "/tokenize", "/detokenize", "/tokenizer_info"
@@ -78,9 +78,14 @@ async def tokenize(req: TokenizeRequest,
     special = req.add_special_tokens
     if special is None:  # vLLM's defaults: the chat template adds a chat's special tokens
         special = req.prompt is not None
-    async with ctx.manager.lease(model, CHAT, TOKENIZE) as lease:
-        out = await lease.engine.tokenize(gen, add_special_tokens=special,
-                                          token_strs=bool(req.return_token_strs))
+    media = await hold_media_memory(ctx, gen)  # what decoding them holds, in the budget
+    try:
+        async with ctx.manager.lease(model, CHAT, TOKENIZE) as lease:
+            out = await lease.engine.tokenize(gen, add_special_tokens=special,
+                                              token_strs=bool(req.return_token_strs))
+    finally:
+        if media is not None:
+            await media.release()
     return {"count": len(out.tokens), "max_model_len": out.max_model_len,
             "tokens": out.tokens, "token_strs": out.token_strs}
 

@@ -5,7 +5,8 @@ refused upload never loads a model): the multipart body is read as it streams
 in with the upload limit enforced live (``server/multipart.py``), the fields
 are validated, the model's kind is checked, and the file is decoded with its
 limits checked (``media/audio_decode.py``, on a thread: decoding is CPU work
-but not model code). Only then is the model leased and the samples handed to
+but not model code), its samples' bytes held in the memory budget from before
+decoding until the response ends (``models/transient.py``). Only then is the model leased and the samples handed to
 its engine.
 """
 
@@ -19,9 +20,10 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from mlxd.engines.base import TRANSCRIPTION, TranscriptionRequest
-from mlxd.errors import InvalidRequest
-from mlxd.media.audio_decode import WHISPER_RATE, decode_audio
+from mlxd.errors import InvalidRequest, validation_text
+from mlxd.media.audio_decode import WHISPER_RATE, decode_audio, decoded_bytes, header_seconds
 from mlxd.media.audio_limits import AudioLimits
+from mlxd.models.transient import TransientHold
 from mlxd.protocol.transcription import TranscriptionForm, form_schema
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.multipart import MultipartForm, read_multipart
@@ -66,11 +68,15 @@ def parse_form(form: MultipartForm, task: Task) -> TranscriptionForm:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         where = f"'{param}': " if param else ""
-        raise InvalidRequest(f"Invalid form field {where}{err['msg']}.", param=param) from None
+        raise InvalidRequest(f"Invalid form field {where}{validation_text(err)}.",
+                             param=param) from None
 
 
-async def _transcription_request(request: Request, ctx: ServerContext, task: Task,
-                                 endpoint: str) -> tuple[TranscriptionForm, TranscriptionRequest]:
+async def _transcription_request(
+        request: Request, ctx: ServerContext, task: Task, endpoint: str,
+        holds: list[TransientHold]) -> tuple[TranscriptionForm, TranscriptionRequest]:
+    """The form and the decoded job; the samples' bytes are held in the memory budget
+    (``holds``, released by the caller) from before decoding on."""
     limits = AudioLimits.from_config(ctx.config)
     body = await read_multipart(request.headers.get("content-type"),
                                 request.headers.get("content-length"), request.stream(),
@@ -80,7 +86,13 @@ async def _transcription_request(request: Request, ctx: ServerContext, task: Tas
         raise InvalidRequest("The form has no 'file' part (the recording to transcribe).",
                              param="file")
     ctx.manager.check_kind(form.model, TRANSCRIPTION, endpoint)
+    what = "this request's decoded audio"
+    seconds = await asyncio.to_thread(header_seconds, body.file.data)
+    holds.append(await ctx.manager.transient.hold(decoded_bytes(seconds, limits), what))
     audio = await asyncio.to_thread(decode_audio, body.file.data, limits, WHISPER_RATE)
+    if audio.samples.nbytes > holds[0].nbytes:  # the header was short of the truth
+        holds.append(await ctx.manager.transient.hold(
+            audio.samples.nbytes - holds[0].nbytes, what))
     return form, TranscriptionRequest(
         audio=audio.samples, sample_rate=audio.sample_rate, task=task,
         language=form.language, prompt=form.prompt, temperature=form.temperature,
@@ -88,13 +100,25 @@ async def _transcription_request(request: Request, ctx: ServerContext, task: Tas
 
 
 async def _serve(request: Request, ctx: ServerContext, task: Task, endpoint: str) -> Response:
-    form, job = await _transcription_request(request, ctx, task, endpoint)
-    if form.stream:
-        lease = await ctx.manager.acquire(form.model, TRANSCRIPTION, endpoint)
-        return await stream_transcription(lease, job)
-    async with ctx.manager.lease(form.model, TRANSCRIPTION, endpoint) as held:
-        transcript = await held.engine.transcribe(job)
-    return render(transcript, form.response_format, task, form.timestamp_granularities)
+    holds: list[TransientHold] = []
+
+    async def release_holds() -> None:
+        for hold in holds:
+            await hold.release()
+
+    streaming = False
+    try:
+        form, job = await _transcription_request(request, ctx, task, endpoint, holds)
+        if form.stream:
+            lease = await ctx.manager.acquire(form.model, TRANSCRIPTION, endpoint)
+            streaming = True  # the stream releases the holds when it ends
+            return await stream_transcription(lease, job, on_close=release_holds)
+        async with ctx.manager.lease(form.model, TRANSCRIPTION, endpoint) as held:
+            transcript = await held.engine.transcribe(job)
+        return render(transcript, form.response_format, task, form.timestamp_granularities)
+    finally:
+        if not streaming:
+            await release_holds()
 
 
 @router.post(TRANSCRIPTIONS, openapi_extra={"requestBody": form_schema(translation=False)},

@@ -80,11 +80,12 @@
   }
 
   // ------------------------------------------------------------------- models
+  // Binary units, as `mlxd ps` prints them (mlxd.models.memory.format_bytes).
   function fmtBytes(n) {
     if (n === null || n === undefined) return "";
-    const units = ["B", "KB", "MB", "GB", "TB"];
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let i = 0;
-    while (n >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
     return (i ? n.toFixed(1) : String(n)) + " " + units[i];
   }
 
@@ -112,7 +113,7 @@
       if (!row) {
         row = body.insertRow();
         row.dataset.model = m.id;
-        const actions = cell(row, 6);
+        const actions = cell(row, 7);
         actions.append(actionButton("Load", m.id, "load"), actionButton("Unload", m.id, "unload"));
       }
       row.dataset.kind = m.kind;
@@ -124,10 +125,17 @@
       st.textContent = m.state + (m.in_use ? ` · ${m.in_use} in use` : "");
       st.className = "state " + m.state + (m.health === "failing" ? " failing" : "");
       st.title = m.error || "";
-      cell(row, 3).textContent = m.state === "loaded"
-        ? fmtBytes(m.memory_bytes) : "~" + fmtBytes(m.estimated_bytes);
-      cell(row, 4).textContent = m.pinned ? "pinned" : "";
-      const sv = cell(row, 5);
+      // measured: what the loaded model holds; reserved: what it holds against the budget
+      // (weights + the KV reserve for its limits), an estimate (~) until it loads
+      const loaded = m.state === "loaded";
+      const measured = cell(row, 3);
+      measured.className = "measured";
+      measured.textContent = loaded && m.measured_bytes != null ? fmtBytes(m.measured_bytes) : "-";
+      const reserved = cell(row, 4);
+      reserved.className = "reserved";
+      reserved.textContent = loaded ? fmtBytes(m.memory_bytes) : "~" + fmtBytes(m.estimated_bytes);
+      cell(row, 5).textContent = m.pinned ? "pinned" : "";
+      const sv = cell(row, 6);
       sv.textContent = m.servable ? "yes" : "no";
       sv.title = m.unservable_reason || "";
       const busy = m.state === "loading" || m.state === "unloading";
@@ -161,6 +169,7 @@
     fillSelect($("rerank-model"), ofKind(["rerank"]));
     fillSelect($("stt-model"), ofKind(["stt"]));
     fillSelect($("tts-model"), ofKind(["tts"]));
+    if ($("tts-voice").dataset.model !== $("tts-model").value) refreshVoices();
     $("panel-vision").hidden = ofKind(["vision"]).length === 0;
     $("panel-stt").hidden = ofKind(["stt"]).length === 0;
     $("panel-tts").hidden = ofKind(["tts"]).length === 0;
@@ -415,11 +424,17 @@
     $("image").value = "";
   }
 
+  // Send waits while the image is read, so a quick Enter never drops it.
   function readImage() {
     const file = $("image").files[0];
     if (!file) { state.image = null; return; }
     const reader = new FileReader();
-    reader.onload = () => { state.image = reader.result; };
+    $("send").disabled = true;
+    reader.onloadend = () => {
+      state.image = reader.error ? null : reader.result;
+      if (reader.error) setStatus("chat-status", "image: " + reader.error.message, true);
+      $("send").disabled = Boolean(state.controller);
+    };
     reader.readAsDataURL(file);
   }
 
@@ -515,17 +530,46 @@
     }
   }
 
+  // The voice picker lists the chosen model's voices (read from its files: no load).
+  async function refreshVoices() {
+    const select = $("tts-voice");
+    const model = $("tts-model").value;
+    select.dataset.model = model;
+    if (!model) { select.replaceChildren(); return; }
+    try {
+      const r = await api("/v1/audio/voices?model=" + encodeURIComponent(model), {},
+                          { quiet: true });
+      if (!r.ok) throw new Error(await errorText(r));
+      if (select.dataset.model !== model) return; // another model was chosen meanwhile
+      const keep = select.value;
+      const voices = (await r.json()).data;
+      select.replaceChildren(...voices.map((v) => new Option(
+        v.id + (v.language ? ` (${v.language})` : ""), v.id)));
+      if (voices.some((v) => v.id === keep)) select.value = keep;
+    } catch (e) {
+      select.dataset.model = ""; // try again at the next refresh
+      $("tts-result").textContent = "voices: " + e.message;
+    }
+  }
+
   async function runSpeech() {
     const out = $("tts-result");
+    const voice = $("tts-voice").value;
+    if (!voice) { out.textContent = "This model lists no voice yet; try again."; return; }
     out.textContent = "…";
     try {
-      const r = await postJSON("/v1/audio/speech", { model: $("tts-model").value,
+      const r = await postJSON("/v1/audio/speech", { model: $("tts-model").value, voice,
                                                      input: $("tts-text").value });
       if (!r.ok) throw new Error(await errorText(r));
       const audio = $("tts-audio");
+      const decoded = new Promise((resolve, reject) => {
+        audio.onloadedmetadata = resolve;
+        audio.onerror = () => reject(new Error("the browser cannot play the audio it got"));
+      });
       audio.src = URL.createObjectURL(await r.blob());
-      await audio.play().catch(() => {});
-      out.textContent = "";
+      await decoded;
+      out.textContent = `${audio.duration.toFixed(1)} s of speech (voice ${voice})`;
+      audio.play().catch(() => {}); // a browser may refuse to autoplay: the controls remain
     } catch (e) {
       out.textContent = e.message;
     }
@@ -545,6 +589,7 @@
     $("stt-record").addEventListener("click", toggleRecording);
     $("stt-run").addEventListener("click", runTranscription);
     $("tts-run").addEventListener("click", runSpeech);
+    $("tts-model").addEventListener("change", refreshVoices);
     $("key-button").addEventListener("click", async () => {
       state.keyDeclined = false;
       if (await askKey("API key for this server (admin key for load / unload).", KEY) !== null) {
