@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.engines.input_processor import InputLimits, InputProcessor
+from mlxd.engines.text.input_processor import InputLimits, InputProcessor
 from mlxd.generation.chat import fold_late_system
 from mlxd.generation.params import GenerationRequest
 
