@@ -1,4 +1,4 @@
-"""CPU prefill path (engines/prefill.py): the NumPy attention and base-2 SwiGLU equal
+"""CPU prefill path (engines/kernels/prefill.py): the NumPy attention and base-2 SwiGLU equal
 mlx-lm's, the served model uses them and prefills in short chunks, with unchanged
 greedy tokens."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxd.engines.prefill import CPU_PREFILL_CHUNK, base2_swiglu, host_attention, on_cpu
+from mlxd.engines.kernels.prefill import CPU_PREFILL_CHUNK, base2_swiglu, host_attention, on_cpu
 
 pytestmark = pytest.mark.skipif(not on_cpu(), reason="the CPU prefill path only runs on CPU")
 
@@ -48,7 +48,7 @@ def test_base2_silu_and_precise_swiglu_equal_mlx_over_prefill_chunks_only() -> N
     import mlx.nn as nn
     from mlx_lm.models.activations import precise_swiglu
 
-    from mlxd.engines.prefill import (
+    from mlxd.engines.kernels.prefill import (
         MIN_QUERY_TOKENS,
         _cpu_precise_swiglu,
         _cpu_silu,
