@@ -18,11 +18,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from mlxd.config import ServerConfig
+from mlxd.engines.audio.speech_backend import SpeechBackend
 from mlxd.engines.base import AudioChunk, SpeechRequest, Voice
 from mlxd.errors import ModelLoadError
 from mlxd.media.phonemes import split_sentences
@@ -30,24 +31,6 @@ from mlxd.models.voices import VoiceFile, check_speed, check_voice, piper_config
 from mlxd.runtime.worker import ModelWorker
 
 log = logging.getLogger(__name__)
-
-class SpeechBackend(Protocol):
-    """One loaded TTS model; every method but ``voices`` runs on the worker thread."""
-
-    sample_rate: int
-    max_sentence_chars: int  # longer sentences are cut before they reach the model
-
-    def voices(self) -> list[VoiceFile]: ...
-
-    def speak(self, text: str, voice: str, speed: float) -> np.ndarray:
-        """Mono int16 samples for one sentence."""
-
-    def memory_bytes(self) -> int: ...
-
-    def describe(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
-
 
 # -- the engine ------------------------------------------------------------------
 
@@ -130,9 +113,3 @@ class TTSEngine:
             if len(samples):
                 yield AudioChunk(pcm=np.asarray(samples, dtype="<i2").tobytes(),
                                  sample_rate=backend.sample_rate)
-
-
-def to_int16(audio: np.ndarray) -> np.ndarray:
-    """Float samples in [-1, 1] (clipped) as int16."""
-    flat = np.asarray(audio, dtype=np.float32).reshape(-1)
-    return (np.clip(np.nan_to_num(flat), -1.0, 1.0) * 32767.0).astype(np.int16)

@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxd.engines.audio.tts import to_int16
+from mlxd.engines.audio.speech_backend import to_int16
 from mlxd.engines.device import device_name
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.media.phonemes import Espeak, EspeakFailed, EspeakMissing, find_espeak

@@ -16,14 +16,25 @@ processed once. A prompt only waits when the tokens it saves are at least
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from mlxd.engines.text.input_processor import PreparedPrompt
     from mlxd.engines.text.prefix_cache import PrefixCache
-    from mlxd.engines.text.scheduler import Sequence
 
 MIN_SAVED_TOKENS = 256
+
+
+class Sequence(Protocol):
+    """What admission reads of a scheduler's sequence (``scheduler.Sequence``; named
+    here so the scheduler imports this module and not the reverse)."""
+
+    prompt: PreparedPrompt
+    cache_key: str | None
+    pipeline: Any  # its ``completion_tokens``: 0 while the prompt is prefilling
+    n_cached: int
+    prefilled: int
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -78,7 +89,7 @@ def waits_for_peer(seq: Sequence, running: Iterable[Sequence], cache: PrefixCach
     return False
 
 
-def track_prefill(prompt_responses: list[Any], running: dict[int, Sequence]) -> None:
+def track_prefill(prompt_responses: list[Any], running: Mapping[int, Sequence]) -> None:
     """Record how far each running prompt's prefill got (the decoder's progress)."""
     for r in prompt_responses:
         seq = running.get(r.uid)

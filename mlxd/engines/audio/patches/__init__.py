@@ -1,14 +1,15 @@
 """Narrow, reversible fixes to mlx-audio, applied only while a model of their family is loaded.
 
-The same rules and machinery as ``engines/vlm_patches`` (``Patch``,
+The same rules and machinery as the vision patches (``Patch``,
 ``PatchRegistry``: version-checked, self-checked on unknown versions,
 reference counted, undone with the very objects that were there when the
-last model of the family unloads); this registry holds the audio patches.
+last model of the family unloads: ``engines/upstream/patching.py``); this
+registry holds the audio patches.
 """
 
 from __future__ import annotations
 
-from mlxd.engines.vision.patches import Patch, PatchHandle, PatchRegistry, ProcessRegistry
+from mlxd.engines.upstream.patching import Patch, PatchHandle, PatchRegistry, ProcessRegistry
 
 __all__ = ["Patch", "PatchHandle", "PatchRegistry", "registry"]
 

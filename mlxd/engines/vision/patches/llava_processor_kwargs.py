@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxd.engines.vision.patches import Patch
+from mlxd.engines.upstream.patching import Patch
 
 
 def _filtering(original: Any) -> Any:
