@@ -36,6 +36,7 @@ from mlxd.engines.encoders.pooling import (
 from mlxd.engines.encoders.token_batcher import Encoded
 from mlxd.engines.kernels.activations import use_fast_gelu
 from mlxd.engines.text.prompt_limits import char_bound, char_groups, embedding_rows, max_token_chars
+from mlxd.engines.upstream import mlx_embeddings as embeddings_internals
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.runtime.worker import ModelWorker
 
@@ -92,14 +93,14 @@ class EmbeddingEngine(BatchedEncoder):
         """Load weights and tokenizer, read the pooling config, run one warm-up batch."""
         from mlx_embeddings.utils import load, load_config
 
-
+        embeddings_internals.ADAPTER.require(self.name)
         try:
             self.model_config = load_config(self.path)
             model, wrapper = load(str(self.path))
         except Exception as e:
             raise ModelLoadError(self.name, f"mlx-embeddings cannot load {self.path}: "
                                             f"{type(e).__name__}: {e}") from e
-        tokenizer = getattr(wrapper, "_tokenizer", wrapper)
+        tokenizer = embeddings_internals.hf_tokenizer(wrapper)
         if not hasattr(tokenizer, "model_max_length") or not callable(tokenizer):
             raise ModelLoadError(self.name, "this model needs an image processor; mlxd serves "
                                             "text embedding models only")

@@ -32,6 +32,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxd.engines.text.sampling import sampling_of
 from mlxd.engines.text.speculative import SpeculativeBatch, rewind_rows
+from mlxd.engines.upstream import mlx_lm as lm_internals
 from mlxd.generation.params import SamplingParams
 
 DRAFT_PREFILL_STEP = 512  # prompt tokens per draft forward when a row joins
@@ -135,8 +136,8 @@ class DraftModel:
         ks = [self._k(batch, i, budget) for i in range(len(batch.uids))]
         if max(ks) <= 0:
             return None
-        mx.eval(batch._next_tokens)
-        pending = [int(t) for t in cast(list[int], batch._next_tokens.tolist())]
+        mx.eval(lm_internals.pending_tokens(batch))
+        pending = [int(t) for t in cast(list[int], lm_internals.pending_tokens(batch).tolist())]
         drafts = self._draft(batch, pending, max(ks))
         stops = batch.options.stop_ids
         for i, draft in enumerate(drafts):
@@ -189,7 +190,8 @@ class DraftModel:
         if state.skip > 0:
             state.skip -= 1
             return 0
-        return max(0, min(state.k, budget, batch.max_tokens[i] - batch._num_tokens[i] - 1))
+        return max(0, min(state.k, budget, batch.max_tokens[i]
+                              - lm_internals.generated_counts(batch)[i] - 1))
 
     def _draft(self, batch: SpeculativeBatch, pending: list[int], depth: int) -> list[list[int]]:
         """``depth`` tokens per row: one forward over what each row lacks plus its pending

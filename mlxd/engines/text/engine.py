@@ -43,6 +43,7 @@ from mlxd.engines.text.scheduler import (
 from mlxd.engines.text.speculative import Drafter, SpeculativeOptions
 from mlxd.engines.text.structured import GrammarTokenizer
 from mlxd.engines.text.tool_parsers import tool_call_format
+from mlxd.engines.upstream import mlx_lm as lm_internals
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.generation.detokenizer import IncrementalDetokenizer
 from mlxd.generation.events import Event, Finish, TokenLogprob, TopLogprob
@@ -130,6 +131,7 @@ class MLXLanguageModel:
     def load(self) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
+        lm_internals.ADAPTER.require(self.name)
         try:
             model, tokenizer, config = self._load_model()
         except Exception as e:
@@ -377,7 +379,7 @@ class MLXLanguageModel:
 
     def tokenizer_info(self) -> dict[str, Any]:
         tok = self.tokenizer
-        hf = getattr(tok, "_tokenizer", tok)  # mlx-lm's wrapper holds the HF tokenizer
+        hf = lm_internals.hf_tokenizer(tok)
         template = getattr(tok, "chat_template", None)
 
         def special(name: str) -> str | None:

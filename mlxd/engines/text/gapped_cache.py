@@ -30,6 +30,8 @@ import numpy as np
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlxd.engines.upstream import mlx_lm as lm_internals
+
 
 class GappedBatchKVCache(BatchKVCache):
     """``BatchKVCache`` plus ``gaps``: a ``(rows, positions)`` boolean array, True where a
@@ -104,11 +106,12 @@ class GappedBatchKVCache(BatchKVCache):
         if not gapped or (self.keys is None and other.keys is None):
             super().extend(other)
             return
-        top = max(self._idx, other._idx)
+        top = max(self._idx, lm_internals.write_position(other))
         parts = []
         for c in (self, other):
-            g = GappedBatchKVCache._gaps_to(c, c._idx)
-            parts.append(mx.pad(g, [(0, 0), (top - c._idx, 0)]) if top > c._idx else g)
+            at = lm_internals.write_position(c)
+            g = GappedBatchKVCache._gaps_to(c, at)
+            parts.append(mx.pad(g, [(0, 0), (top - at, 0)]) if top > at else g)
         super().extend(other)
         self.gaps = mx.concatenate(parts, axis=0)
 
@@ -143,5 +146,5 @@ def drop_rows(caches: Sequence[Any], counts: Sequence[int]) -> None:
         if not isinstance(cache, BatchKVCache) or cache.keys is None:
             continue
         gapped = GappedBatchKVCache.adopt(cache)
-        key = (id(gapped.gaps), gapped._idx, gapped.offset.shape[0])
+        key = (id(gapped.gaps), lm_internals.write_position(gapped), gapped.offset.shape[0])
         shared[key] = gapped.drop(counts, shared.get(key))

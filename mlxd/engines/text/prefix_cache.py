@@ -36,6 +36,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from mlxd.engines.upstream import mlx_lm as lm_internals
+
 log = logging.getLogger(__name__)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
@@ -131,12 +133,12 @@ class PrefixCache:
         if self.max_bytes <= 0:
             return 0
         with self._lock:
-            found = self._cache._trie.search(namespace or self._text_namespace, tokens)
+            found = lm_internals.prompt_trie(self._cache).search(namespace or self._text_namespace, tokens)
             if found.exact is not None:
                 return len(tokens)
             shorter = len(found.shorter) if found.shorter is not None else 0
             if found.longer is not None and found.common_prefix > shorter:
-                entry = self._cache._trie.get(found.model, found.longer)
+                entry = lm_internals.prompt_trie(self._cache).get(found.model, found.longer)
                 if can_trim_prompt_cache(entry.prompt_cache):
                     return int(found.common_prefix)
             return shorter
@@ -159,10 +161,9 @@ class PrefixCache:
         """Every cached (namespace, tokens, cache), least recently used first."""
         with self._lock:
             out = []
-            for lru in self._cache._lru._lrus.values():
-                for namespace, toks in lru:
-                    entry = self._cache._trie.get(namespace, toks)
-                    out.append((namespace, list(toks), entry.prompt_cache))
+            for namespace, toks in lm_internals.lru_entries(self._cache):
+                entry = lm_internals.prompt_trie(self._cache).get(namespace, toks)
+                out.append((namespace, list(toks), entry.prompt_cache))
             return out
 
     def save(self, folder: Path) -> int:

@@ -46,6 +46,7 @@ from mlx_lm.models.cache import ArraysCache
 from mlxd.blas import fast_sgemm
 from mlxd.engines.text.gapped_cache import drop_rows
 from mlxd.engines.text.recurrent_rewind import RecurrentReplay
+from mlxd.engines.upstream import mlx_lm as lm_internals
 
 MODES = ("auto", "prompt-lookup", "draft", "off")
 # Consecutive failed drafts back a sequence off for 2**fails - 1 steps, at most this many.
@@ -507,13 +508,13 @@ def install(gen: BatchGenerator, options: SpeculativeOptions,
             drafter: Drafter | None = None) -> SpeculativeBatch:
     """Make ``gen`` decode through a ``SpeculativeBatch`` (it must not have started);
     ``drafter`` replaces prompt lookup (a draft model)."""
-    old = gen._generation_batch
+    old = lm_internals.generation_batch(gen)
     if len(old):
         raise RuntimeError("install speculation before the first sequence joins")
     spec = SpeculativeBatch.empty(gen.model, gen.sampler)
     spec.options = options
     spec.drafter = drafter
-    gen._generation_batch = spec
+    lm_internals.replace_generation_batch(gen, spec)
     return spec
 
 

@@ -20,9 +20,9 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
+from mlxd.engines.upstream.versions import installed
 from mlxd.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -60,13 +60,6 @@ class PatchHandle:
         if not self._done:
             self._done = True
             self._registry.release(self.names)
-
-
-def installed(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 class PatchRegistry:

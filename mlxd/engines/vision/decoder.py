@@ -54,6 +54,7 @@ from mlxd.engines.text.decoder import (
 )
 from mlxd.engines.text.input_processor import PreparedPrompt
 from mlxd.engines.text.sampling import greedy
+from mlxd.engines.upstream import mlx_vlm as vlm_internals
 from mlxd.engines.vision.turns import AnswerKeeper
 
 EmbedFn = Callable[[PreparedPrompt], dict[str, Any]]
@@ -144,7 +145,7 @@ def _generator_class() -> type:
         def _extend_generation_batch(self, gen_batch: Any) -> None:
             # ``generate`` has evaluated the new rows' first tokens; read them before
             # ``extend`` joins them to the running rows' pending tokens.
-            firsts = getattr(gen_batch, "_next_tokens", None)
+            firsts = vlm_internals.pending_tokens(gen_batch)
             if firsts is not None and len(gen_batch.uids):
                 self.first_tokens.extend(zip(map(int, gen_batch.uids),
                                              map(int, firsts.tolist()), strict=True))
@@ -263,17 +264,17 @@ class VLMBatchDecoder:
         gen = self._gen
         # mlx-vlm admits waiting prompts only when ``prefill_batch_size`` slots are free:
         # a fixed size would hold newcomers back until the whole batch finished.
-        free = gen.completion_batch_size - len(gen._generation_batch)
-        gen.prefill_batch_size = max(1, min(free, len(gen._unprocessed_sequences)))
+        free = gen.completion_batch_size - len(vlm_internals.generation_batch(gen))
+        gen.prefill_batch_size = max(1, min(free, vlm_internals.waiting_prompts(gen)))
         t0 = time.perf_counter()
-        prompt_before = self._gen._prompt_tokens_counter
-        had_decoding = len(self._gen._generation_batch) > 0
+        prompt_before = vlm_internals.prompt_tokens_processed(gen)
+        had_decoding = len(vlm_internals.generation_batch(gen)) > 0
         progress, responses = self._gen.next()
         elapsed = time.perf_counter() - t0
         if had_decoding and responses:
             self._stats.generation_steps += 1
             self._stats.decode_time += elapsed
-        prompt_tokens = self._gen._prompt_tokens_counter - prompt_before
+        prompt_tokens = vlm_internals.prompt_tokens_processed(gen) - prompt_before
         if prompt_tokens:
             self._stats.prompt_tokens += prompt_tokens
             self._stats.prompt_time += elapsed
@@ -349,7 +350,7 @@ class VLMBatchDecoder:
     def cache_nbytes(self) -> int:
         for _ in range(_NBYTES_TRIES):
             try:
-                caches = list(self._gen._generation_batch.prompt_cache or [])
+                caches = list(vlm_internals.generation_batch(self._gen).prompt_cache or [])
                 apc = self._apc.resident_bytes() if self._apc is not None else 0
                 return apc + sum(int(getattr(c, "nbytes", 0)) for c in caches)
             except (RuntimeError, IndexError, AttributeError, TypeError):

@@ -27,6 +27,7 @@ from mlxd.engines.text.input_processor import InputLimits, InputProcessor, Prepa
 from mlxd.engines.text.prompt_limits import max_token_chars, vocab_bound
 from mlxd.engines.text.scheduler import BatchScheduler, SchedulerBase
 from mlxd.engines.text.structured import GrammarTokenizer
+from mlxd.engines.upstream import mlx_vlm as vlm_internals
 from mlxd.engines.vision.decoder import VLMBatchDecoder
 from mlxd.engines.vision.features import FeatureCache, embed_prompt
 from mlxd.engines.vision.input import VisionInputProcessor
@@ -58,6 +59,7 @@ class MLXMultimodalLM(MLXLanguageModel):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
         from mlx_vlm.utils import load
 
+        vlm_internals.ADAPTER.require(self.name)
         try:
             model, processor = load(str(self.path),
                                     trust_remote_code=self.options.trust_remote_code)

@@ -24,6 +24,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from mlxd.engines.upstream import mlx_vlm as vlm_internals
+
 log = logging.getLogger(__name__)
 
 _MARK = "_mlxd_keeps_answers"
@@ -93,7 +95,7 @@ def fed_tokens(batch: Any, idx: int, tokens: list[int]) -> list[int] | None:
         return None
     length = int(keys.shape[2])
     ids = list(tokens)
-    current = getattr(batch, "_current_tokens", None)
+    current = vlm_internals.current_tokens(batch)
     if len(ids) == length - 1 and current is not None:
         ids.append(int(current[idx].item()))
     if len(ids) != length:
