@@ -23,8 +23,6 @@ from mlxd.media.audio_limits import AudioLimits
 log = logging.getLogger(__name__)
 
 WHISPER_RATE = 16_000
-# Digital silence: below this peak (about -80 dBFS) a recording holds no speech.
-SILENCE_PEAK = 1e-4
 
 
 @dataclass(frozen=True)
@@ -40,10 +38,6 @@ class DecodedAudio:
     @property
     def seconds(self) -> float:
         return len(self.samples) / self.sample_rate
-
-    def is_silent(self) -> bool:
-        """No sample above digital silence (nothing for a model to transcribe)."""
-        return not self.samples.size or float(np.abs(self.samples).max()) < SILENCE_PEAK
 
 
 def _bad_file(reason: str) -> InvalidRequest:

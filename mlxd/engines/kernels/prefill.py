@@ -45,8 +45,8 @@ mlx-lm's model modules call ``scaled_dot_product_attention``, ``swiglu``,
 from ``mlx_lm.models.base``, ``.activations``, ``.gated_delta`` and ``mlx.nn``;
 the CPU path is installed by rebinding those names in the loaded model's
 modules (``PATHS``), to pure functions with no state.
-Like every patch to upstream code (DESIGN.md), it is checked against the
-installed mlx-lm (an unchecked version must pass a numerical self-check, or
+Like every patch to upstream code (CONTRIBUTING.md, "Upstream internals"), it
+is checked against the installed mlx-lm (an unchecked version must pass a numerical self-check, or
 the model keeps mlx-lm's attention: this is a speed path, never a reason to
 refuse a model), reference counted per module while models use it, and
 undone when the last of them unloads (``PrefillAttention.undo``).
