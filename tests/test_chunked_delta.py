@@ -123,7 +123,7 @@ def test_a_hybrid_model_prefills_through_the_chunked_rule(
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    from mlxd.engines import chunked_delta, prefill
+    from mlxd.engines.kernels import chunked_delta, prefill
 
     model = load(str(tiny_qwen3_next))[0]
     module = sys.modules[type(model).__module__]

@@ -19,7 +19,7 @@ import mlx.nn as nn
 import pytest
 
 from mlxd.blas import find_openblas, preload_env
-from mlxd.engines import cpu_gemv
+from mlxd.engines.kernels import cpu_gemv
 from mlxd.engines.kernels.cpu_gemv import (
     MAX_ROWS,
     CpuGemvEmbedding,

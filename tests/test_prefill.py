@@ -89,7 +89,7 @@ def test_a_hybrid_models_nn_is_mlx_nn_with_silu_changed_and_restored(
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    from mlxd.engines import prefill
+    from mlxd.engines.kernels import prefill
     from tests.helpers.tiny_hybrids import build_hybrid
 
     folder = build_hybrid(Path(str(tmp_path)) / "h", "qwen3_next", tiny_model)  # type: ignore[arg-type]
@@ -125,7 +125,7 @@ def test_served_model_prefills_in_short_chunks_with_the_same_tokens(
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxd.engines import prefill
+    from mlxd.engines.kernels import prefill
 
     with tiny_server.client() as http:  # type: ignore[attr-defined]
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
@@ -154,7 +154,7 @@ def test_the_cpu_path_is_reference_counted_and_undone_on_the_last_unload(
     from mlx_lm.models import activations, base
     from mlx_lm.utils import load
 
-    from mlxd.engines import prefill
+    from mlxd.engines.kernels import prefill
 
     model, _ = load(str(tiny_model))[:2]
     module = sys.modules[type(model).__module__]
@@ -188,7 +188,7 @@ import json, sys
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 from mlx_lm.utils import load
-from mlxd.engines import prefill
+from mlxd.engines.kernels import prefill
 
 def threads():
     return [i["num_threads"] for i in threadpool_info() if "scipy_openblas" in i["prefix"]]
@@ -216,7 +216,7 @@ def test_an_unchecked_mlx_lm_whose_attention_differs_keeps_its_own(
         tiny_model: object, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlx_lm.utils import load
 
-    from mlxd.engines import prefill
+    from mlxd.engines.kernels import prefill
 
     model, _ = load(str(tiny_model))[:2]
     monkeypatch.setattr(prefill, "CHECKED_MLX_LM", ())
