@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -335,3 +336,13 @@ def test_cycle_check_sees_a_lazy_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_managers_private_state_is_read_outside_models_only_through_methods() -> None:
+    """``ctx.manager._aliases`` and the like: a package's private state is read through a
+    public method (``ModelManager.aliases_of``), not across packages."""
+    pattern = re.compile(r"\b(?:ctx\.manager|manager|self\.manager)\._[a-z]")
+    offenders = [f"{p.relative_to(PACKAGE)}:{n}: {line.strip()}"
+                 for p in PACKAGE.rglob("*.py") if p.parent.name != "models"
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []

@@ -209,10 +209,10 @@ def _ready_line(ctx: Any, host: str, port: int) -> str:
     from mlxd.models.residency import State
 
     parts = []
-    aliases = {n: a for a, n in ctx.manager._aliases.items()}
     for res in ctx.manager.residencies():
         extra = ", loaded" if res.state == State.LOADED else ""
-        alias = f", alias {aliases[res.name]}" if res.name in aliases else ""
+        aliases = ctx.manager.aliases_of(res.name)
+        alias = f", alias {aliases[-1]}" if aliases else ""
         parts.append(f"{res.name} ({res.kind}{extra}{alias})")
     # The playground (GET /) is the first thing a person opens: a URL a browser can reach
     # even when the server listens on every interface.

@@ -127,6 +127,10 @@ class ModelManager:
     def alias(self, alias: str, name: str) -> None:
         self._aliases[alias] = name
 
+    def aliases_of(self, name: str) -> list[str]:
+        """The aliases that resolve to ``name``, oldest first."""
+        return [a for a, n in self._aliases.items() if n == name]
+
     async def unregister(self, name: str) -> None:
         """Remove a model (DELETE, or the first half of a replace); refused while in use.
 

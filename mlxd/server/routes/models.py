@@ -37,7 +37,7 @@ def _iso(monotonic: float | None) -> str | None:
 
 
 def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
-    aliases = [a for a, n in ctx.manager._aliases.items() if n == res.name]
+    aliases = ctx.manager.aliases_of(res.name)
     card: dict[str, Any] = {
         "id": res.name, "object": "model", "created": int(ctx.started_at), "owned_by": "mlxd",
         "kind": str(res.kind), "state": str(res.state), "pinned": res.pinned,
