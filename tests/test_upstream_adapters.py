@@ -1,6 +1,7 @@
-"""The upstream adapters (``engines/upstream/``): every private name of mlx-lm, mlx-vlm and
-mlx-embeddings that mlxd uses is declared in its library's adapter, holds on the installed
-version, and is read from outside the library's own classes nowhere else."""
+"""The upstream adapters (``engines/upstream/``): every private name of mlx-lm, mlx-vlm,
+mlx-embeddings and mlx-whisper that mlxd uses is declared in its library's adapter and
+holds on the installed version, and the private attributes are read from outside the
+library's own classes nowhere else."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.engines.upstream import mlx_embeddings, mlx_lm, mlx_vlm
+from mlxd.engines.upstream import mlx_audio, mlx_embeddings, mlx_lm, mlx_vlm, mlx_whisper
 from mlxd.engines.upstream.versions import Adapter, Private, installed, problem
 from mlxd.errors import ModelLoadError
 
 ADAPTERS = {"mlx-lm": mlx_lm.ADAPTER, "mlx-vlm": mlx_vlm.ADAPTER,
-            "mlx-embeddings": mlx_embeddings.ADAPTER}
+            "mlx-embeddings": mlx_embeddings.ADAPTER, "mlx-whisper": mlx_whisper.ADAPTER,
+            "mlx-audio": mlx_audio.ADAPTER}
 ENGINES = Path(__file__).resolve().parent.parent / "mlxd" / "engines"
 NAMES = [pytest.param(p, id=f"{dist}:{p.owner or p.module}.{p.name}")
          for dist, adapter in ADAPTERS.items() for p in adapter.private]
@@ -68,13 +70,16 @@ def test_the_self_check_sees_a_changed_shape() -> None:
                                                  "key", "t")) or "")
     assert "is gone" in (problem(Private("mlx_lm.generate", "BatchGenerator", "_no_method",
                                          "method", "t")) or "")
+    assert "no longer reads the global" in (problem(Private(
+        "mlx_whisper.transcribe", "transcribe", "NoSuchHolder", "global", "t")) or "")
 
 
 def test_only_the_adapters_read_upstream_private_names_from_outside() -> None:
     """``obj._name`` or ``getattr(obj, "_name")`` for a declared name appears only in
     ``engines/upstream/``; subclasses use their inherited names as ``self._name`` and
     ``super()._name``."""
-    names = {p.name for a in ADAPTERS.values() for p in a.private if p.kind != "key"}
+    names = {p.name for a in ADAPTERS.values() for p in a.private
+             if p.kind in ("attribute", "method") and p.name.startswith("_")}
     alternatives = "|".join(sorted(names))
     pattern = re.compile(rf"(?<!self)(?<!super\(\))\.({alternatives})\b|\"({alternatives})\"")
     offenders = []

@@ -25,6 +25,7 @@ import numpy as np
 
 from mlxd.engines.audio.speech_backend import to_int16
 from mlxd.engines.device import device_name
+from mlxd.engines.upstream import mlx_audio as audio_internals
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.media.phonemes import Espeak, EspeakFailed, EspeakMissing, find_espeak
 from mlxd.models.voices import KOKORO_LANGUAGES, VoiceFile, kokoro_voices
@@ -87,6 +88,7 @@ class MlxAudioBackend:
             raise ModelLoadError(name, str(e)) from e
         from mlx_audio.tts.utils import load_model
 
+        audio_internals.ADAPTER.require(name)
         try:
             model = load_model(path)
         except Exception as e:

@@ -31,13 +31,14 @@ class Private:
     ``kind``: ``attribute`` is assigned as ``self.<name>`` in the owner class (or a
     base); ``method`` is a callable on the class, with ``params`` its parameter names
     after ``self`` when they matter; ``key`` is a string the module's code reads (a
-    private keyword argument).
+    private keyword argument); ``global`` is a global name the module's function
+    ``owner`` reads, which mlxd replaces in a copy of its globals.
     """
 
     module: str
-    owner: str  # a class in ``module`` (dotted when nested); "" for a key
+    owner: str  # a class in ``module`` (dotted when nested), a function for a global; "" for a key
     name: str
-    kind: Literal["attribute", "method", "key"]
+    kind: Literal["attribute", "method", "key", "global"]
     used_by: str  # the mlxd module that needs it, and why
     params: tuple[str, ...] | None = None
 
@@ -70,6 +71,13 @@ def problem(p: Private) -> str | None:
     if p.kind == "key":
         return None if f'"{p.name}"' in inspect.getsource(module) else (
             f"{p.module} no longer reads the key {p.name!r}")
+    if p.kind == "global":
+        func = getattr(module, p.owner, None)
+        code = getattr(func, "__code__", None)
+        if code is None:
+            return f"{p.module}.{p.owner} is not a function"
+        return None if p.name in code.co_names else (
+            f"{p.module}.{p.owner} no longer reads the global {p.name!r}")
     owner: object = module
     for part in p.owner.split("."):  # a nested class: "LRUPromptCache.CacheOrder"
         owner = getattr(owner, part, None)
