@@ -6,7 +6,7 @@ with three parts swapped: mlx-vlm loads the model and its processor (float32
 on CPU, the checkpoint's dtype on a GPU), ``VisionInputProcessor`` keeps image
 and video parts and runs the processor per request, and ``VLMBatchDecoder``
 decodes through mlx-vlm's continuous ``BatchGenerator`` with per-request
-input embeddings. The family's patches (``engines/vlm_patches``) are applied
+input embeddings. The family's patches (``engines/vision/patches``) are applied
 at load and undone at close. Image features are cached by image hash
 (``engines/vision/features.py``), so a second turn about the same image does not
 run the vision tower again.
