@@ -71,7 +71,7 @@ def measure(folder: Path, n_tokens: int, reps: int) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load
 
-    from mlxd.engines import prefill as ours
+    from mlxd.engines.kernels import prefill as ours
 
     model, _, config = cast(tuple[Any, Any, dict[str, Any]],
                             load(str(folder), return_config=True))

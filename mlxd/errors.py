@@ -72,11 +72,6 @@ class AuthenticationError(MlxdError):
     error_type = "authentication_error"
 
 
-class PermissionDenied(MlxdError):
-    status = 403
-    error_type = "permission_error"
-
-
 class ModelNotFound(MlxdError):
     status = 404
     error_type = "not_found_error"
