@@ -24,6 +24,7 @@ from mlxd.errors import Conflict, InsufficientStorage, InvalidRequest, ModelNotF
 from mlxd.models.memory import format_bytes
 from mlxd.models.residency import Loader, ResidencyManager, State
 from mlxd.models.spec import Family, ModelEntry, ModelKind
+from mlxd.runtime.worker import WorkerThreads
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class ModelManager:
         self._closing = False
         self._closed = asyncio.Event()  # set when shutdown begins: load waiters give up
         self.evictions = 0
+        self.threads = WorkerThreads()  # ended models' threads, for the next loads to reuse
 
     # -- registry -----------------------------------------------------------
     def register(self, reg: Registration) -> ResidencyManager:
@@ -120,7 +122,8 @@ class ModelManager:
         res = ResidencyManager(reg.entry, reg.kind, reg.estimate, self._loader,
                                reserve=reg.reserve, on_change=self._notify,
                                load_gate=self._device_lock,
-                               on_loaded=self._observer.loaded if self._observer else None)
+                               on_loaded=self._observer.loaded if self._observer else None,
+                               threads=self.threads)
         self._models[reg.entry.name] = res
         return res
 

@@ -26,7 +26,7 @@ from typing import Any
 from mlxd.errors import MlxdError, ModelLoadError, Overloaded
 from mlxd.models.loading import Loader
 from mlxd.models.spec import ModelEntry, ModelKind
-from mlxd.runtime.worker import ModelWorker
+from mlxd.runtime.worker import ModelWorker, WorkerThreads
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,8 @@ class ResidencyManager:
     def __init__(self, entry: ModelEntry, kind: ModelKind, estimate: int, loader: Loader,
                  reserve: int = 0, on_change: Callable[[], Awaitable[None]] | None = None,
                  load_gate: asyncio.Lock | None = None,
-                 on_loaded: Callable[[str, float], None] | None = None) -> None:
+                 on_loaded: Callable[[str, float], None] | None = None,
+                 threads: WorkerThreads | None = None) -> None:
         self.entry = entry
         self.kind = kind
         self.estimate = estimate
@@ -109,6 +110,7 @@ class ResidencyManager:
         self._on_change = on_change
         self._load_gate = load_gate  # one load at a time per device
         self._on_loaded = on_loaded  # load-time metrics
+        self._threads = threads  # where a new worker finds a parked thread
         self.state = State.UNLOADED
         self.loaded: LoadedModel | None = None
         self.last_error: str | None = None
@@ -202,7 +204,7 @@ class ResidencyManager:
         if self._closing or self.retired:  # gave up while waiting for the device
             raise await self._give_up()
         t0 = time.monotonic()
-        worker = ModelWorker(self.name)
+        worker = ModelWorker(self.name, self._threads)
         worker.start()
         self._job = job = _LoadJob(self._loader)
         try:
