@@ -22,7 +22,7 @@ import pytest
 
 from mlxd.models.catalog import local_path_of
 from mlxd.models.spec import ModelEntry
-from mlxd.models.starter import STARTER_CHAT, STARTER_EMBEDDING, STARTER_STT, STARTER_TTS
+from mlxd.models.starter import STARTER_EMBEDDING, STARTER_STT, STARTER_TTS
 from tests.helpers.cross_encoders import build_minilm_cross_encoder
 from tests.helpers.retrieval import registry_config
 from tests.helpers.server import free_port, wait_serving

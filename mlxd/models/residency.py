@@ -30,6 +30,9 @@ from mlxd.runtime.worker import ModelWorker, WorkerThreads
 
 log = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 30.0  # for the engine's close job to start and finish on its worker
+STOP_TIMEOUT_S = 5.0  # then for the worker thread to end
+
 
 class State(str, Enum):
     UNLOADED = "unloaded"
@@ -126,6 +129,8 @@ class ResidencyManager:
         self._job: _LoadJob | None = None
         self._load_task: asyncio.Task[LoadedModel] | None = None
         self._unload_task: asyncio.Task[None] | None = None
+        # (worker, bytes) of unloaded engines whose thread did not stop: still counted
+        self._lingering: list[tuple[ModelWorker, int]] = []
 
     @property
     def name(self) -> str:
@@ -140,7 +145,16 @@ class ResidencyManager:
         return self.entry.pinned
 
     def accounted_bytes(self) -> int:
-        """Bytes this model holds against the budget (0 when unloaded)."""
+        """Bytes this model holds against the budget (0 when unloaded), counting an
+        earlier engine whose worker did not stop when it was unloaded."""
+        return self._engine_bytes() + self.lingering_bytes()
+
+    def lingering_bytes(self) -> int:
+        """Bytes of unloaded engines whose worker threads still run (0 once they end)."""
+        self._lingering = [(w, n) for w, n in self._lingering if w.alive]
+        return sum(n for _, n in self._lingering)
+
+    def _engine_bytes(self) -> int:
         if self.state in (State.UNLOADED, State.FAILED):
             return 0
         if self.state == State.LOADING or self.measured_bytes is None:
@@ -300,22 +314,40 @@ class ResidencyManager:
 
     async def _unload(self, loaded: LoadedModel) -> None:
         await self._notify()
+        held = self._engine_bytes()
+        stopped = False
         try:
             await self._persist(loaded)
-            await self._close(loaded)
+            stopped = await self._close(loaded)
         finally:
+            if not stopped:  # the old engine may still hold its memory: keep counting it
+                self._lingering.append((loaded.worker, held))
             self.loaded = None
             self.measured_bytes = None
             self.state = State.UNLOADED
             await self._notify()
+        if not stopped:
+            raise Overloaded(f"Model '{self.name}' was unloaded but its worker is still "
+                             "running a job; its memory stays counted until the job ends.",
+                             retry_after=5, code="unload_incomplete")
 
     @staticmethod
-    async def _close(loaded: LoadedModel, timeout: float = 30.0) -> None:
+    async def _close(loaded: LoadedModel, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Close the engine on its thread and stop the thread; whether the thread ended.
+
+        No lease is held, so a cancellable job still running (its client left) is cancelled
+        first: it stops before its next window and the close runs right after it.
+        """
+        loaded.worker.cancel_jobs()
         try:
             await asyncio.wait_for(loaded.worker.run(loaded.engine.close), timeout)
         except Exception:
             log.exception("closing engine failed")
-        await asyncio.to_thread(loaded.worker.stop, 5.0)
+        stopped = await asyncio.to_thread(loaded.worker.stop, STOP_TIMEOUT_S)
+        if not stopped:
+            log.error("model %s: its worker did not stop within %.0fs of closing",
+                      loaded.worker.name, STOP_TIMEOUT_S)
+        return stopped
 
     async def shutdown(self, timeout: float = 8.0) -> None:
         """Persist and close the engine whatever is happening; never hang past ``timeout``.

@@ -24,6 +24,7 @@ from mlxd.media.audio_decode import WHISPER_RATE, decode_audio
 from mlxd.media.audio_limits import AudioLimits
 from mlxd.protocol.transcription import TranscriptionForm, form_schema
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.disconnect import unless_disconnected
 from mlxd.server.multipart import MultipartForm, read_multipart
 from mlxd.server.transcript_formats import render
 from mlxd.server.transcript_stream import stream_transcription
@@ -91,9 +92,10 @@ async def _serve(request: Request, ctx: ServerContext, task: Task, endpoint: str
     form, job = await _transcription_request(request, ctx, task, endpoint)
     if form.stream:
         lease = await ctx.manager.acquire(form.model, TRANSCRIPTION, endpoint)
-        return await stream_transcription(lease, job)
+        return await stream_transcription(request, lease, job)
     async with ctx.manager.lease(form.model, TRANSCRIPTION, endpoint) as held:
-        transcript = await held.engine.transcribe(job)
+        # a client that leaves first stops the job before its next 30 s window
+        transcript = await unless_disconnected(request, held.engine.transcribe(job))
     return render(transcript, form.response_format, task, form.timestamp_granularities)
 
 
