@@ -341,6 +341,9 @@ class ResidencyManager:
         loaded.worker.cancel_jobs()
         try:
             await asyncio.wait_for(loaded.worker.run(loaded.engine.close), timeout)
+        except asyncio.TimeoutError:  # its worker is still busy with a step or a job
+            log.warning("model %s: closing its engine did not start and finish within %.0fs",
+                        loaded.worker.name, timeout)
         except Exception:
             log.exception("closing engine failed")
         stopped = await asyncio.to_thread(loaded.worker.stop, STOP_TIMEOUT_S)
