@@ -129,6 +129,8 @@ class ResidencyManager:
         self._job: _LoadJob | None = None
         self._load_task: asyncio.Task[LoadedModel] | None = None
         self._unload_task: asyncio.Task[None] | None = None
+        self.close_timeout = CLOSE_TIMEOUT_S
+        self.stop_timeout = STOP_TIMEOUT_S
         # (worker, bytes) of unloaded engines whose thread did not stop: still counted
         self._lingering: list[tuple[ModelWorker, int]] = []
 
@@ -317,7 +319,11 @@ class ResidencyManager:
         held = self._engine_bytes()
         stopped = False
         try:
-            await self._persist(loaded)
+            try:  # behind a job that does not end, saving state would wait for ever
+                await asyncio.wait_for(self._persist(loaded), self.close_timeout)
+            except asyncio.TimeoutError:
+                log.warning("model %s: saving state before unload did not finish within "
+                            "%.0fs", self.name, self.close_timeout)
             stopped = await self._close(loaded)
         finally:
             if not stopped:  # the old engine may still hold its memory: keep counting it
@@ -331,14 +337,14 @@ class ResidencyManager:
                              "running a job; its memory stays counted until the job ends.",
                              retry_after=5, code="unload_incomplete")
 
-    @staticmethod
-    async def _close(loaded: LoadedModel, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+    async def _close(self, loaded: LoadedModel, timeout: float | None = None) -> bool:
         """Close the engine on its thread and stop the thread; whether the thread ended.
 
         No lease is held, so a cancellable job still running (its client left) is cancelled
         first: it stops before its next window and the close runs right after it.
         """
         loaded.worker.cancel_jobs()
+        timeout = self.close_timeout if timeout is None else timeout
         try:
             await asyncio.wait_for(loaded.worker.run(loaded.engine.close), timeout)
         except asyncio.TimeoutError:  # its worker is still busy with a step or a job
@@ -346,10 +352,10 @@ class ResidencyManager:
                         loaded.worker.name, timeout)
         except Exception:
             log.exception("closing engine failed")
-        stopped = await asyncio.to_thread(loaded.worker.stop, STOP_TIMEOUT_S)
+        stopped = await asyncio.to_thread(loaded.worker.stop, self.stop_timeout)
         if not stopped:
             log.error("model %s: its worker did not stop within %.0fs of closing",
-                      loaded.worker.name, STOP_TIMEOUT_S)
+                      loaded.worker.name, self.stop_timeout)
         return stopped
 
     async def shutdown(self, timeout: float = 8.0) -> None:
