@@ -281,7 +281,7 @@ def test_the_voice_is_a_tts_model_in_the_models_list(tts: RunningServer) -> None
 
 def test_a_missing_espeak_ng_is_a_load_error_naming_the_package(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxd.engines.tts_piper import PiperBackend
+    from mlxd.engines.audio.tts_piper import PiperBackend
     from mlxd.models.catalog import local_path_of
 
     folder = local_path_of(STARTER_TTS, Path("/nonexistent"))

@@ -204,7 +204,7 @@ def test_named_arrows_stay_removed() -> None:
 
 def test_schedulers_and_prompt_preparation_do_not_know_the_decoding_library() -> None:
     """Text and vision engines share the schedulers and the input processor: only the
-    decoder implementations (``engines/mlx_lm_decoder.py``, ...) import mlx-lm or mlx-vlm."""
+    decoder implementations (``engines/text/mlx_lm_decoder.py``, ...) import mlx-lm or mlx-vlm."""
     shared = ("scheduler.py", "decoder.py", "input_processor.py")
     offenders = [f"{name}: {n}" for name in shared
                  for n in _imports(PACKAGE / "engines" / name)

@@ -30,8 +30,8 @@ from mlxd.models.spec import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from mlxd.engines.input_processor import PreparedPrompt
-    from mlxd.engines.token_batcher import Encoded
+    from mlxd.engines.text.input_processor import PreparedPrompt
+    from mlxd.engines.encoders.token_batcher import Encoded
     from mlxd.generation.events import Event, TokenLogprob
     from mlxd.generation.params import GenerationRequest
 

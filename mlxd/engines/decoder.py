@@ -1,8 +1,8 @@
 """What a scheduler needs from the library that decodes, and nothing more.
 
-The schedulers in ``engines/scheduler.py`` queue requests, admit them, key the
+The schedulers in ``engines/text/scheduler.py`` queue requests, admit them, key the
 prefix cache and turn tokens into events; a ``Decoder`` owns the model and the
-batched KV state. ``engines/mlx_lm_decoder.py`` implements both interfaces over
+batched KV state. ``engines/text/mlx_lm_decoder.py`` implements both interfaces over
 mlx-lm (token prompts); a vision-language engine implements them over
 mlx-vlm's ``BatchGenerator``, which computes each request's input embeddings
 from ``prompt.tokens`` and ``prompt.media``.
@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from mlxd.engines.input_processor import PreparedPrompt
+from mlxd.engines.text.input_processor import PreparedPrompt
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -89,7 +89,7 @@ class Decoder(Protocol):
 
 @runtime_checkable
 class DraftCounting(Protocol):
-    """A decoder that speculates (``engines/speculative.py``) reports its draft tokens."""
+    """A decoder that speculates (``engines/text/speculative.py``) reports its draft tokens."""
 
     def draft_counts(self, uids: list[int]) -> dict[int, tuple[int, int]]:
         """(accepted, rejected) draft tokens of sequences that left; forgotten once read."""

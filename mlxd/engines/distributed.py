@@ -3,7 +3,7 @@
 Rank 0 runs the whole server: HTTP, the scheduler, the prefix cache. Its
 decoder (``GroupDecoder``) sends every call (insert, remove, next, ...) over
 the control channel (``runtime/distributed_link.py``) before making it, and
-each follower (``engines/distributed_follower.py``) replays it on its own
+each follower (``engines/distributed/follower.py``) replays it on its own
 shard, so every rank enters each forward pass, and its collectives, with the
 same batch. Sampling happens on rank 0 only: each sampler's tokens are
 all-summed with the followers' zeros, which hands rank 0's choice (grammar
@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlxd.engines.decoder import (
+from mlxd.engines.text.decoder import (
     CacheAndTokens,
     LogitsProcessor,
     PromptProgress,
@@ -31,13 +31,13 @@ from mlxd.engines.decoder import (
     StepStats,
     TokenResponse,
 )
-from mlxd.engines.input_processor import PreparedPrompt
-from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
-from mlxd.engines.prefill import cpu_prefill_chunk
-from mlxd.engines.prefix_cache import PrefixCache, model_identity
-from mlxd.engines.sampling import greedy
-from mlxd.engines.scheduler import BatchScheduler, SchedulerBase
-from mlxd.engines.text import MLXLanguageModel
+from mlxd.engines.text.input_processor import PreparedPrompt
+from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
+from mlxd.engines.kernels.prefill import cpu_prefill_chunk
+from mlxd.engines.text.prefix_cache import PrefixCache, model_identity
+from mlxd.engines.text.sampling import greedy
+from mlxd.engines.text.scheduler import BatchScheduler, SchedulerBase
+from mlxd.engines.text.engine import MLXLanguageModel
 from mlxd.errors import ModelLoadError, Overloaded
 from mlxd.generation.events import Event
 from mlxd.runtime.distributed import GroupOptions

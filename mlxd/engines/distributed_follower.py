@@ -5,7 +5,7 @@ starts), sends a heartbeat from its own thread (so a rank stuck in a
 collective still reads as alive, and a stopped process does not), and
 replays each message on its shard: the load, every decoder call and every
 prefix-cache fetch and insert. Its sampler contributes zeros to the
-all-sum that carries rank 0's tokens (``engines/distributed.py``).
+all-sum that carries rank 0's tokens (``engines/distributed/sharded.py``).
 Any failure here ends the process: a group that disagrees cannot decode.
 """
 
@@ -22,16 +22,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engines.distributed import (
+from mlxd.engines.distributed.sharded import (
     GREEDY_GROUP,
     ShardedLanguageModel,
     broadcast_tokens,
     join_group,
     load_shard,
 )
-from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
-from mlxd.engines.prefill import install_cpu_prefill_attention
-from mlxd.engines.prefix_cache import PrefixCache, model_identity
+from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
+from mlxd.engines.kernels.prefill import install_cpu_prefill_attention
+from mlxd.engines.text.prefix_cache import PrefixCache, model_identity
 from mlxd.runtime.distributed import (
     HEARTBEAT_S,
     GroupOptions,

@@ -1,6 +1,6 @@
 """Draft-model speculation (``--draft-model``): a small model drafts for every row.
 
-``DraftModel`` is the ``Drafter`` (``engines/speculative.py``) behind
+``DraftModel`` is the ``Drafter`` (``engines/text/speculative.py``) behind
 ``--speculative draft``. It keeps ONE batched KV cache for the draft model that
 follows the target's batch row by row: rows that joined are prefilled with the
 tokens the target holds for them, rows that left are filtered out (both found
@@ -30,8 +30,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlxd.engines.sampling import sampling_of
-from mlxd.engines.speculative import SpeculativeBatch, rewind_rows
+from mlxd.engines.text.sampling import sampling_of
+from mlxd.engines.text.speculative import SpeculativeBatch, rewind_rows
 from mlxd.generation.params import SamplingParams
 
 DRAFT_PREFILL_STEP = 512  # prompt tokens per draft forward when a row joins

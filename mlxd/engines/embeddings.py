@@ -4,7 +4,7 @@ mlx-embeddings loads the weights and tokenizer of every family it ships
 (BERT, XLM-RoBERTa, ModernBERT, Qwen3, Gemma 3, ...); its models return token
 states plus a fixed "mean-pool and normalise" vector. Pooling, normalisation,
 max length, lower-casing and the default prompt come instead from the model
-folder's own sentence-transformers configuration (``engines/pooling.py``), so
+folder's own sentence-transformers configuration (``engines/encoders/pooling.py``), so
 a CLS-pooled or un-normalised model embeds as its authors meant.
 
 Requests are tokenised off the event loop, then queued on a ``TokenBatcher``
@@ -24,18 +24,18 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.config import ServerConfig
-from mlxd.engines.activations import use_fast_gelu
+from mlxd.engines.kernels.activations import use_fast_gelu
 from mlxd.engines.device import device_name
-from mlxd.engines.encoder import BatchedEncoder
-from mlxd.engines.pooling import (
+from mlxd.engines.encoders.encoder import BatchedEncoder
+from mlxd.engines.encoders.pooling import (
     EmbeddingSettings,
     UnsupportedEmbeddingLayout,
     l2_normalize,
     pool,
     read_settings,
 )
-from mlxd.engines.prompt_limits import char_bound, char_groups, embedding_rows, max_token_chars
-from mlxd.engines.token_batcher import Encoded
+from mlxd.engines.text.prompt_limits import char_bound, char_groups, embedding_rows, max_token_chars
+from mlxd.engines.encoders.token_batcher import Encoded
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.runtime.worker import ModelWorker
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from mlxd.config import ServerConfig
 from mlxd.engines.device import device_name, weights_nbytes
-from mlxd.engines.token_batcher import BatchForward, Encoded, TokenBatcher, padding_policy
+from mlxd.engines.encoders.token_batcher import BatchForward, Encoded, TokenBatcher, padding_policy
 from mlxd.errors import InvalidRequest
 from mlxd.runtime.worker import ModelWorker
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engines.decoder import CacheAndTokens, LogitsProcessor
+from mlxd.engines.text.decoder import CacheAndTokens, LogitsProcessor
 
 # Recurrent layers that honour ``cache.lengths`` in padded batched prefill
 # (checked by tests/test_hybrid_prefix.py against a lone run, resumed states included).

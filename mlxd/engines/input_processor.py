@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
-from mlxd.engines.prompt_limits import CHUNK_CHARS, char_bound, check_token_ids, reaches, text_chars
-from mlxd.engines.structured import GrammarTokenizer
+from mlxd.engines.text.prompt_limits import CHUNK_CHARS, char_bound, check_token_ids, reaches, text_chars
+from mlxd.engines.text.structured import GrammarTokenizer
 from mlxd.errors import InvalidRequest
 from mlxd.generation.chat import (
     content_text,

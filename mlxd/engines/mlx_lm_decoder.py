@@ -1,4 +1,4 @@
-"""Decoders over mlx-lm (``engines/decoder.py``'s interfaces for token prompts).
+"""Decoders over mlx-lm (``engines/text/decoder.py``'s interfaces for token prompts).
 
 ``LMBatchDecoder`` wraps ``mlx_lm.generate.BatchGenerator``; ``LMSerialDecoder``
 wraps ``generate_step``. Media items are never set on a text model's prompts
@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxd.engines.decoder import (
+from mlxd.engines.text.decoder import (
     CacheAndTokens,
     LogitsProcessor,
     PromptProgress,
@@ -24,10 +24,10 @@ from mlxd.engines.decoder import (
     StepStats,
     TokenResponse,
 )
-from mlxd.engines.hybrid_cache import SerialRun, prefill, segments, snapshot, with_context
-from mlxd.engines.input_processor import PreparedPrompt
-from mlxd.engines.recurrent_rewind import RecurrentReplay
-from mlxd.engines.speculative import (
+from mlxd.engines.text.hybrid_cache import SerialRun, prefill, segments, snapshot, with_context
+from mlxd.engines.text.input_processor import PreparedPrompt
+from mlxd.engines.text.recurrent_rewind import RecurrentReplay
+from mlxd.engines.text.speculative import (
     Drafter,
     SpeculativeBatch,
     SpeculativeOptions,

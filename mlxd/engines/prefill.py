@@ -69,9 +69,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import activations, base, gated_delta
 
-from mlxd.engines.chunked_delta import LOG2E, cpu_gated_delta_update
-from mlxd.engines.cpu_gemv import install_cpu_gemv
-from mlxd.engines.depthwise_conv import install_cpu_depthwise_conv
+from mlxd.engines.kernels.chunked_delta import LOG2E, cpu_gated_delta_update
+from mlxd.engines.kernels.cpu_gemv import install_cpu_gemv
+from mlxd.engines.kernels.depthwise_conv import install_cpu_depthwise_conv
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from mlxd.engines.gapped_cache import GappedBatchKVCache
+from mlxd.engines.text.gapped_cache import GappedBatchKVCache
 
 
 def _replayable() -> tuple[type, ...]:

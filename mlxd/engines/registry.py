@@ -59,22 +59,22 @@ EXTRA_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType({
 })
 
 ENGINES: Mapping[ModelKind, EngineSpec] = MappingProxyType({
-    ModelKind.TEXT: EngineSpec("mlxd.engines.text:MLXLanguageModel", None, "text"),
-    ModelKind.EMBEDDING: EngineSpec("mlxd.engines.embeddings:EmbeddingEngine", "embeddings"),
-    ModelKind.RERANK: EngineSpec("mlxd.engines.rerank:RerankEngine", "embeddings"),
-    ModelKind.VISION: EngineSpec("mlxd.engines.vision:MLXMultimodalLM", "vision", "text"),
-    ModelKind.STT: EngineSpec("mlxd.engines.stt:STTEngine", "audio"),
-    ModelKind.TTS: EngineSpec("mlxd.engines.tts:TTSEngine", "audio"),
+    ModelKind.TEXT: EngineSpec("mlxd.engines.text.engine:MLXLanguageModel", None, "text"),
+    ModelKind.EMBEDDING: EngineSpec("mlxd.engines.encoders.embeddings:EmbeddingEngine", "embeddings"),
+    ModelKind.RERANK: EngineSpec("mlxd.engines.encoders.rerank:RerankEngine", "embeddings"),
+    ModelKind.VISION: EngineSpec("mlxd.engines.vision.engine:MLXMultimodalLM", "vision", "text"),
+    ModelKind.STT: EngineSpec("mlxd.engines.audio.stt:STTEngine", "audio"),
+    ModelKind.TTS: EngineSpec("mlxd.engines.audio.tts:TTSEngine", "audio"),
 })
 
 if TYPE_CHECKING:
     # mypy proves each engine class implements its family's protocol.
-    from mlxd.engines.embeddings import EmbeddingEngine
-    from mlxd.engines.rerank import RerankEngine
-    from mlxd.engines.stt import STTEngine
-    from mlxd.engines.text import MLXLanguageModel
-    from mlxd.engines.tts import TTSEngine
-    from mlxd.engines.vision import MLXMultimodalLM
+    from mlxd.engines.encoders.embeddings import EmbeddingEngine
+    from mlxd.engines.encoders.rerank import RerankEngine
+    from mlxd.engines.audio.stt import STTEngine
+    from mlxd.engines.text.engine import MLXLanguageModel
+    from mlxd.engines.audio.tts import TTSEngine
+    from mlxd.engines.vision.engine import MLXMultimodalLM
 
     _text: type[TextGenerator] = MLXLanguageModel
     _embedding: type[Embedder] = EmbeddingEngine

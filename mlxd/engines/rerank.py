@@ -5,7 +5,7 @@ Each pair is tokenised exactly as the model's own tokenizer pairs two texts
 for RoBERTa), truncating the document first (``only_second``) to the model's
 max length. Pairs from all concurrent requests are packed into padded batches
 by a ``TokenBatcher`` on the model's worker thread, and run through
-``rerank_forward`` (``engines/cross_encoder.py``). Score: sigmoid of the logit
+``rerank_forward`` (``engines/encoders/cross_encoder.py``). Score: sigmoid of the logit
 for one label, softmax probability of label 1 for two.
 """
 
@@ -21,19 +21,19 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.config import ServerConfig
-from mlxd.engines.activations import use_fast_gelu
-from mlxd.engines.cross_encoder import (
+from mlxd.engines.kernels.activations import use_fast_gelu
+from mlxd.engines.encoders.cross_encoder import (
     CrossEncoder,
     UnsupportedCrossEncoder,
     load_cross_encoder,
     rerank_forward,
 )
 from mlxd.engines.device import device_name
-from mlxd.engines.embeddings import pad_batch
-from mlxd.engines.encoder import BatchedEncoder
-from mlxd.engines.pooling import max_length_of
-from mlxd.engines.prompt_limits import char_bound, char_groups, max_token_chars
-from mlxd.engines.token_batcher import Encoded
+from mlxd.engines.encoders.embeddings import pad_batch
+from mlxd.engines.encoders.encoder import BatchedEncoder
+from mlxd.engines.encoders.pooling import max_length_of
+from mlxd.engines.text.prompt_limits import char_bound, char_groups, max_token_chars
+from mlxd.engines.encoders.token_batcher import Encoded
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.models.memory import read_config
 from mlxd.runtime.worker import ModelWorker

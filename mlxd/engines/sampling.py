@@ -44,7 +44,7 @@ def build_sampler(params: SamplingParams) -> Sampler:
 
 def tag_sampling(sampler: Sampler, params: SamplingParams) -> Sampler:
     """Record on a (non-shared) sampler the settings it draws with: a draft model's
-    rejection rule needs the distribution, not only a sample (``engines/draft.py``)."""
+    rejection rule needs the distribution, not only a sample (``engines/text/draft.py``)."""
     sampler.sampling = params  # type: ignore[attr-defined]
     return sampler
 

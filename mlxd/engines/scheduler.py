@@ -1,7 +1,7 @@
 """Schedulers that drive text generation on a model's worker thread.
 
 ``BatchScheduler`` does continuous batching over a ``Decoder``
-(``engines/decoder.py``; mlx-lm's ``BatchGenerator`` for text models):
+(``engines/text/decoder.py``; mlx-lm's ``BatchGenerator`` for text models):
 requests join between decode steps, leave when finished, stopped or
 cancelled, and long prompts are prefilled in chunks interleaved with decode.
 ``SerialScheduler`` runs one sequence at a time through a ``SerialDecoder``
@@ -30,11 +30,11 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from mlxd.engines.decoder import Decoder, DraftCounting, SerialDecoder
+from mlxd.engines.text.decoder import Decoder, DraftCounting, SerialDecoder
 from mlxd.engines.device import release_free_memory
-from mlxd.engines.input_processor import PreparedPrompt
-from mlxd.engines.prefix_cache import PrefixCache
-from mlxd.engines.sampling import (
+from mlxd.engines.text.input_processor import PreparedPrompt
+from mlxd.engines.text.prefix_cache import PrefixCache
+from mlxd.engines.text.sampling import (
     Sampler,
     build_logits_processors,
     build_sampler,
@@ -42,7 +42,7 @@ from mlxd.engines.sampling import (
     heal_random_state,
     tag_sampling,
 )
-from mlxd.engines.shared_prefix import track_prefill, waits_for_peer
+from mlxd.engines.text.shared_prefix import track_prefill, waits_for_peer
 from mlxd.errors import Overloaded
 from mlxd.generation.events import Event, TokenLogprob, TopLogprob
 from mlxd.generation.params import SamplingParams

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mlxd.engines.prefix_cache import PrefixCache
-    from mlxd.engines.scheduler import Sequence
+    from mlxd.engines.text.prefix_cache import PrefixCache
+    from mlxd.engines.text.scheduler import Sequence
 
 MIN_SAVED_TOKENS = 256
 

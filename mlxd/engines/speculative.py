@@ -44,8 +44,8 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import ArraysCache
 
 from mlxd.blas import fast_sgemm
-from mlxd.engines.gapped_cache import drop_rows
-from mlxd.engines.recurrent_rewind import RecurrentReplay
+from mlxd.engines.text.gapped_cache import drop_rows
+from mlxd.engines.text.recurrent_rewind import RecurrentReplay
 
 MODES = ("auto", "prompt-lookup", "draft", "off")
 # Consecutive failed drafts back a sequence off for 2**fails - 1 steps, at most this many.
@@ -245,7 +245,7 @@ class _Plan:
 
 
 class Drafter(Protocol):
-    """A source of drafts other than prompt lookup (``engines/draft.py``: a draft model).
+    """A source of drafts other than prompt lookup (``engines/text/draft.py``: a draft model).
 
     The batch asks it for this step's drafts, lets it judge the target's samples
     (it may rewrite ``picks`` so that the compare keeps what its acceptance rule

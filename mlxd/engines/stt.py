@@ -33,13 +33,13 @@ from mlxd.engines.base import (
     TranscriptWord,
 )
 from mlxd.engines.device import device_name, weights_nbytes
-from mlxd.engines.stt_mlx_audio import (
+from mlxd.engines.audio.stt_mlx_audio import (
     check_request,
     load_mlx_audio,
     mlx_audio_model_type,
     run_mlx_audio,
 )
-from mlxd.engines.stt_whisper import (
+from mlxd.engines.audio.stt_whisper import (
     bind_transcribe,
     check_language,
     is_whisper_folder,

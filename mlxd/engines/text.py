@@ -3,8 +3,8 @@
 Loading (weights, tokenizer, parsers, the input processor, the decoder and
 scheduler, the prefix cache), the async face of the scheduler that runs on the
 worker thread, and prompt logprobs. Prompt preparation (chat template, tools,
-limits, grammar) is ``engines/input_processor.py``; decoding is
-``engines/mlx_lm_decoder.py`` under ``engines/scheduler.py``.
+limits, grammar) is ``engines/text/input_processor.py``; decoding is
+``engines/text/mlx_lm_decoder.py`` under ``engines/text/scheduler.py``.
 """
 
 from __future__ import annotations
@@ -22,27 +22,27 @@ import mlx.core as mx
 
 from mlxd.engines.base import Tokenized
 from mlxd.engines.device import weights_nbytes
-from mlxd.engines.draft import DraftModel, load_draft_model, plain_kv
-from mlxd.engines.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
-from mlxd.engines.input_processor import InputLimits, InputProcessor, PreparedPrompt
-from mlxd.engines.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
-from mlxd.engines.prefill import (
+from mlxd.engines.text.draft import DraftModel, load_draft_model, plain_kv
+from mlxd.engines.text.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
+from mlxd.engines.text.input_processor import InputLimits, InputProcessor, PreparedPrompt
+from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
+from mlxd.engines.kernels.prefill import (
     PrefillAttention,
     cpu_prefill_chunk,
     install_cpu_prefill_attention,
 )
-from mlxd.engines.prefix_cache import PrefixCache, model_identity
-from mlxd.engines.prompt_limits import max_token_chars, vocab_bound
-from mlxd.engines.scheduler import (
+from mlxd.engines.text.prefix_cache import PrefixCache, model_identity
+from mlxd.engines.text.prompt_limits import max_token_chars, vocab_bound
+from mlxd.engines.text.scheduler import (
     AsyncQueueSink,
     BatchScheduler,
     SchedulerBase,
     Sequence,
     SerialScheduler,
 )
-from mlxd.engines.speculative import Drafter, SpeculativeOptions
-from mlxd.engines.structured import GrammarTokenizer
-from mlxd.engines.tool_parsers import tool_call_format
+from mlxd.engines.text.speculative import Drafter, SpeculativeOptions
+from mlxd.engines.text.structured import GrammarTokenizer
+from mlxd.engines.text.tool_parsers import tool_call_format
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.generation.detokenizer import IncrementalDetokenizer
 from mlxd.generation.events import Event, Finish, TokenLogprob, TopLogprob
@@ -206,7 +206,7 @@ class MLXLanguageModel:
     def _scheduler(self, model: Any, probe_cache: list[Any]) -> SchedulerBase:
         """A batched scheduler over mlx-lm's ``BatchGenerator`` when every cache layer can
         be merged into a batch (and batching is on), else a serial one."""
-        # On CPU, prompts are prefilled in shorter chunks (engines/prefill.py).
+        # On CPU, prompts are prefilled in shorter chunks (engines/kernels/prefill.py).
         opts = replace(self.options,
                        prefill_step_size=cpu_prefill_chunk(self.options.prefill_step_size))
         if opts.prefix_cache_bytes > 0:

@@ -71,11 +71,11 @@ class TTSEngine:
     def load(self) -> None:
         """Pick the backend from the folder (Piper .onnx.json, else mlx-audio) and load it."""
         if piper_config_path(self.path) is not None:
-            from mlxd.engines.tts_piper import PiperBackend
+            from mlxd.engines.audio.tts_piper import PiperBackend
 
             self.backend = PiperBackend.load(self.name, self.path)
         else:
-            from mlxd.engines.tts_mlx_audio import MlxAudioBackend
+            from mlxd.engines.audio.tts_mlx_audio import MlxAudioBackend
 
             self.backend = MlxAudioBackend.load(self.name, self.path)
         self._voices = list(self.backend.voices())

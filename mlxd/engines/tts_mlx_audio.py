@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.engines.device import device_name
-from mlxd.engines.tts import to_int16
+from mlxd.engines.audio.tts import to_int16
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.media.phonemes import Espeak, EspeakFailed, EspeakMissing, find_espeak
 from mlxd.models.voices import KOKORO_LANGUAGES, VoiceFile, kokoro_voices
@@ -94,7 +94,7 @@ class MlxAudioBackend:
                                        f"{type(e).__name__}: {e}") from e
         patch = None
         if device_name() == "cpu":
-            from mlxd.engines.audio_patches import registry
+            from mlxd.engines.audio.patches import registry
 
             patch = registry().activate(model_type, name, (model, None))
         return cls(name, model, path, voices, program, patch)

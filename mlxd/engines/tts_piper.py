@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxd.engines.tts import to_int16
+from mlxd.engines.audio.tts import to_int16
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.media.phonemes import Espeak, EspeakFailed, EspeakMissing, check_voice, find_espeak
 from mlxd.models.voices import VoiceFile, piper_config_path, piper_voices

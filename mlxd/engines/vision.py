@@ -8,7 +8,7 @@ and video parts and runs the processor per request, and ``VLMBatchDecoder``
 decodes through mlx-vlm's continuous ``BatchGenerator`` with per-request
 input embeddings. The family's patches (``engines/vlm_patches``) are applied
 at load and undone at close. Image features are cached by image hash
-(``engines/vlm_features.py``), so a second turn about the same image does not
+(``engines/vision/features.py``), so a second turn about the same image does not
 run the vision tower again.
 """
 
@@ -22,15 +22,15 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.engines.device import device_name, weights_nbytes
-from mlxd.engines.input_processor import InputLimits, InputProcessor, PreparedPrompt
-from mlxd.engines.prompt_limits import max_token_chars, vocab_bound
-from mlxd.engines.scheduler import BatchScheduler, SchedulerBase
-from mlxd.engines.structured import GrammarTokenizer
-from mlxd.engines.text import MLXLanguageModel, TextEngineOptions, context_length_of
-from mlxd.engines.vlm_decoder import VLMBatchDecoder
-from mlxd.engines.vlm_features import FeatureCache, embed_prompt
-from mlxd.engines.vlm_input import VisionInputProcessor
-from mlxd.engines.vlm_patches import PatchHandle, registry
+from mlxd.engines.text.input_processor import InputLimits, InputProcessor, PreparedPrompt
+from mlxd.engines.text.prompt_limits import max_token_chars, vocab_bound
+from mlxd.engines.text.scheduler import BatchScheduler, SchedulerBase
+from mlxd.engines.text.structured import GrammarTokenizer
+from mlxd.engines.text.engine import MLXLanguageModel, TextEngineOptions, context_length_of
+from mlxd.engines.vision.decoder import VLMBatchDecoder
+from mlxd.engines.vision.features import FeatureCache, embed_prompt
+from mlxd.engines.vision.input import VisionInputProcessor
+from mlxd.engines.vision.patches import PatchHandle, registry
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.generation.events import TokenLogprob
 from mlxd.jsonfile import read_json_object

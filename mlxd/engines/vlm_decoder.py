@@ -1,4 +1,4 @@
-"""A ``Decoder`` (``engines/decoder.py``) over mlx-vlm's continuous ``BatchGenerator``.
+"""A ``Decoder`` (``engines/text/decoder.py``) over mlx-vlm's continuous ``BatchGenerator``.
 
 Each request's input embeddings are computed alone when it is inserted (the
 vision tower runs once per request, or not at all when the feature cache
@@ -21,7 +21,7 @@ per request with ``namespace(prompt)`` (model identity, media hashes and cache
 salt), so blocks are only shared between prompts with the same images; its
 memory is bounded by ``prefix_cache_bytes`` and counted in ``cache_nbytes``. A row
 leaving the generation batch stores its answer's blocks as well
-(``engines/vlm_turns.py``), so turn 2 resumes after turn 1's answer, not before it.
+(``engines/vision/turns.py``), so turn 2 resumes after turn 1's answer, not before it.
 
 First tokens are returned as soon as the prompt's last prefill step has sampled
 them. mlx-vlm's generation batch is pipelined: it returns a token only from the
@@ -45,16 +45,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engines.decoder import (
+from mlxd.engines.text.decoder import (
     CacheAndTokens,
     LogitsProcessor,
     PromptProgress,
     Sampler,
     TokenResponse,
 )
-from mlxd.engines.input_processor import PreparedPrompt
-from mlxd.engines.sampling import greedy
-from mlxd.engines.vlm_turns import AnswerKeeper
+from mlxd.engines.text.input_processor import PreparedPrompt
+from mlxd.engines.text.sampling import greedy
+from mlxd.engines.vision.turns import AnswerKeeper
 
 EmbedFn = Callable[[PreparedPrompt], dict[str, Any]]
 NamespaceFn = Callable[[PreparedPrompt], int]
@@ -149,7 +149,7 @@ def _generator_class() -> type:
                 self.first_tokens.extend(zip(map(int, gen_batch.uids),
                                              map(int, firsts.tolist()), strict=True))
             super()._extend_generation_batch(gen_batch)
-            # Rows leaving the batch store their answer's KV too (engines/vlm_turns.py).
+            # Rows leaving the batch store their answer's KV too (engines/vision/turns.py).
             if self.answers is not None:
                 self.answers.watch(self._generation_batch, self.apc_manager)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engines.input_processor import PreparedPrompt
+from mlxd.engines.text.input_processor import PreparedPrompt
 
 Encoder = Callable[[Any, mx.array, dict[str, mx.array]], mx.array]
 

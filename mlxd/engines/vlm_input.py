@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxd.engines.input_processor import InputProcessor, MediaItem, PreparedPrompt
+from mlxd.engines.text.input_processor import InputProcessor, MediaItem, PreparedPrompt
 from mlxd.errors import InvalidRequest
 from mlxd.generation.chat import content_text
 from mlxd.generation.params import GenerationRequest

@@ -126,7 +126,7 @@ def speech_activation_bytes(config: dict[str, Any], audio_seconds: float,
     return recording + window
 
 
-# The image-feature cache of each vision model (engines/vlm_features.py), by bytes.
+# The image-feature cache of each vision model (engines/vision/features.py), by bytes.
 FEATURE_CACHE_BYTES = 64 * 1024 * 1024
 # Pixels of the largest image a vision tower without a fixed input size is assumed to
 # take (Qwen2-VL's processors resize to at most 1280 x 28 x 28 by default).

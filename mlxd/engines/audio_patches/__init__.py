@@ -8,14 +8,14 @@ last model of the family unloads); this registry holds the audio patches.
 
 from __future__ import annotations
 
-from mlxd.engines.vlm_patches import Patch, PatchHandle, PatchRegistry, ProcessRegistry
+from mlxd.engines.vision.patches import Patch, PatchHandle, PatchRegistry, ProcessRegistry
 
 __all__ = ["Patch", "PatchHandle", "PatchRegistry", "registry"]
 
 
 def default_patches() -> list[Patch]:
     """Every audio patch mlxd ships (imported lazily: each module imports mlx-audio)."""
-    from mlxd.engines.audio_patches import kokoro_conv
+    from mlxd.engines.audio.patches import kokoro_conv
 
     return [kokoro_conv.PATCH]
 

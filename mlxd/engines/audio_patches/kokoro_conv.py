@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engines.audio_patches import Patch
+from mlxd.engines.audio.patches import Patch
 
 
 def conv1d_dilated(x: mx.array, weight: mx.array, stride: int = 1, padding: int = 0,

@@ -141,7 +141,7 @@ class PatchRegistry:
 
 def default_patches() -> list[Patch]:
     """Every patch mlxd ships (imported lazily: each module imports mlx-vlm)."""
-    from mlxd.engines.vlm_patches import llava_merge, llava_processor_kwargs
+    from mlxd.engines.vision.patches import llava_merge, llava_processor_kwargs
 
     return [llava_merge.PATCH, llava_processor_kwargs.PATCH]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engines.vlm_patches import Patch
+from mlxd.engines.vision.patches import Patch
 
 
 def merge_per_row(self: Any, image_features: mx.array, inputs_embeds: mx.array,

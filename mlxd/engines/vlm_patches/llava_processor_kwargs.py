@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxd.engines.vlm_patches import Patch
+from mlxd.engines.vision.patches import Patch
 
 
 def _filtering(original: Any) -> Any:
