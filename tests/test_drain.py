@@ -13,11 +13,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
+import numpy as np
+import pytest
 from fastapi import FastAPI
 
 from mlxd.config import ServerConfig
@@ -156,3 +160,95 @@ def test_signals_drain_then_a_second_one_forces_exit(tmp_path: Path) -> None:
     again.handle_exit(signal.SIGTERM, None)
     again.handle_exit(signal.SIGTERM, None)  # a second SIGTERM while draining
     assert again.should_exit and again.force_exit
+
+
+DRAIN_S = 2.0
+# After --drain-timeout: CUT_OFF_GRACE_S (3 s) for the 503s, then the engines close in
+# parallel, each after its step or audio window in progress: at most 8 s to save state
+# and 13 s to close (ModelManager.shutdown), documented as 25 s. Measured here on 2 busy
+# cores: 10-25 s (an encoder batch under contention is the long pole).
+EXIT_BOUND_S = 30.0
+
+
+def test_work_cut_off_by_shutdown_gets_503s_and_error_events(
+        smollm2: Path, test_home: Path, tmp_path: Path) -> None:
+    """SIGTERM with four requests of different kinds running past --drain-timeout: each
+    ends in its API's shape (503 error objects, an Anthropic error event on the stream),
+    nothing logs "Exception in ASGI application", and the process exits in bounded time."""
+    pytest.importorskip("mlx_whisper", reason="mlx-whisper is in the `audio` extra")
+    from mlxd.models.spec import ModelEntry
+    from mlxd.models.starter import STARTER_EMBEDDING, STARTER_STT
+    from tests.helpers.audio import wav
+    from tests.helpers.retrieval import registry_config
+
+    entries = [ModelEntry(name="chat", source=str(smollm2)), STARTER_EMBEDDING.model_copy(),
+               STARTER_STT.model_copy()]
+    config = registry_config(tmp_path / "models.yaml", entries, test_home)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "MLXD_HOME": str(test_home), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxd", "serve", "--models-config", str(config.models_config),
+         "--port", str(port), "--drain-timeout", str(DRAIN_S), "--encoder-batch-tokens", "2048"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results: dict[str, httpx.Response] = {}
+    stream_lines: list[str] = []
+    streaming = threading.Event()
+
+    def post(name: str, path: str, **kw: Any) -> None:
+        results[name] = httpx.post(url + path, timeout=120, **kw)
+
+    def stream() -> None:
+        body = {"model": "chat", "max_tokens": 2000, "stream": True,
+                "messages": [{"role": "user", "content": "Tell me a long story."}]}
+        with httpx.stream("POST", url + "/v1/messages", json=body, timeout=120) as r:
+            results["stream"] = r
+            for line in r.iter_lines():
+                stream_lines.append(line)
+                streaming.set()
+
+    try:
+        _wait_ready(proc, url)
+        for name in ("chat", STARTER_EMBEDDING.name, STARTER_STT.name):
+            assert httpx.post(url + "/v1/models/load", json={"model": name},
+                              timeout=300).status_code == 200
+        noise = np.random.default_rng(0).uniform(-0.5, 0.5, 1800 * 200)
+        threads = [
+            threading.Thread(target=post, args=("chat", "/v1/chat/completions"), kwargs={
+                "json": {"model": "chat", "max_tokens": 2000,
+                         "messages": [{"role": "user", "content": "Count to a thousand."}]}}),
+            threading.Thread(target=post, args=("embeddings", "/v1/embeddings"), kwargs={
+                "json": {"model": STARTER_EMBEDDING.name,
+                         "input": [[101, *range(2000, 2254), 102]] * 2000}}),
+            threading.Thread(target=post, args=("transcription", "/v1/audio/transcriptions"),
+                             kwargs={"data": {"model": STARTER_STT.name},
+                                     "files": {"file": ("long.wav", wav(noise, 200))}}),
+            threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+        assert streaming.wait(120), "the stream never started"
+        time.sleep(2)  # the others' bodies are read and their work queued (not a sync point)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        for t in threads:
+            t.join(120)
+        _, stderr = proc.communicate(timeout=120)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    (tmp_path / "serve.err").write_text(stderr)  # kept for a failure's post-mortem
+    assert proc.returncode == 0, stderr[-3000:]
+    assert took < DRAIN_S + EXIT_BOUND_S, (took, stderr[-4000:])
+    for name in ("chat", "embeddings", "transcription"):
+        r = results[name]
+        assert r.status_code == 503, (name, r.status_code, r.text[:300])
+        assert r.json()["error"]["code"] == "shutting_down"
+        assert r.json()["error"]["type"] == "overloaded_error"
+    assert results["stream"].status_code == 200
+    events = [line for line in stream_lines if line]
+    assert events[-2] == "event: error", events[-4:]
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert last["type"] == "error" and last["error"]["type"] == "overloaded_error"
+    assert "Exception in ASGI application" not in stderr and "CancelledError" not in stderr

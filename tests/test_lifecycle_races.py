@@ -423,3 +423,39 @@ def test_an_encoder_whose_every_batch_fails_is_reported_broken() -> None:
         assert worker.fault() is None
     finally:
         worker.stop()
+
+
+# -- issue 31, item 5: an unload whose worker does not stop --------------------------
+
+
+def test_unload_while_the_worker_still_runs_fails_and_keeps_the_engine_counted(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """A job that cannot be cancelled holds the worker past the unload's close timeout:
+    the unload answers 503 instead of success, and the old engine's bytes stay in the
+    budget (next to a reloaded copy) until its thread has really ended."""
+    async def scenario(manager: ModelManager, loader: GatedLoader) -> None:
+        res = await manager.load("a")
+        one = manager.used_bytes()
+        old_worker = res.loaded.worker  # type: ignore[union-attr]
+        busy = threading.Event()
+        release = threading.Event()
+
+        def stuck() -> None:  # a job that never checks a cancel token
+            busy.set()
+            release.wait(120)
+
+        old_worker.submit(stuck)
+        await wait_for_thread_event(busy)
+        res.close_timeout, res.stop_timeout = 0.5, 0.5
+        with pytest.raises(Overloaded) as refused:
+            await manager.unload("a")
+        assert refused.value.code == "unload_incomplete"
+        assert res.state == State.UNLOADED and old_worker.alive
+        assert manager.used_bytes() >= one  # still counted: it still holds its memory
+        await manager.load("a")  # a second copy: both are counted
+        assert manager.used_bytes() >= 2 * one - 1024
+        release.set()
+        assert await asyncio.to_thread(old_worker.stop, 30)
+        assert one - 1024 <= manager.used_bytes() <= one + 1024  # the old one has ended
+
+    run_with_manager(tiny_model, tmp_path / "home", scenario)

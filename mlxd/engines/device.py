@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 from typing import Any, cast
 
@@ -40,3 +41,11 @@ def release_free_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
             pass
+
+
+def release_thread_memory() -> None:
+    """On a model's worker thread once its engine closed: collect the engine's cycles,
+    wait for its stream's last work, and give the freed memory back to the OS."""
+    gc.collect()
+    mx.synchronize()
+    release_free_memory()

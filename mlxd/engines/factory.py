@@ -79,6 +79,9 @@ class EngineFactory:
         """Construct and load the kind's engine from the local folder ``path``."""
         if entry.trust_remote_code is False and self.config.trust_remote_code:
             log.warning("--trust-remote-code applies only to entries that set trust_remote_code")
+        from mlxd.engines.device import release_thread_memory
+
+        worker.at_exit(release_thread_memory)  # after the engine closed, on its thread
         engine = self.create(entry, kind, path, worker)
         engine.load()
         return engine

@@ -32,6 +32,7 @@ from mlxd.models.spec import (
     is_alias_pattern,
 )
 from mlxd.models.transient import TransientMemory
+from mlxd.runtime.worker import WorkerThreads
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class ModelManager:
         # decoded media of requests in flight
         self.transient = TransientMemory(self._changed, self.policy, self.used_bytes,
                                          lambda: self._closing)
+        self.threads = WorkerThreads()  # ended models' threads, for the next loads to reuse
 
     # -- registry -----------------------------------------------------------
     def register(self, reg: Registration) -> ResidencyManager:
@@ -132,7 +134,8 @@ class ModelManager:
         res = ResidencyManager(reg.entry, reg.kind, reg.estimate, self._loader,
                                reserve=reg.reserve, on_change=self._notify,
                                load_gate=self._device_lock,
-                               on_loaded=self._observer.loaded if self._observer else None)
+                               on_loaded=self._observer.loaded if self._observer else None,
+                               threads=self.threads)
         self._models[reg.entry.name] = res
         for alias in reg.entry.aliases:
             self.alias(alias, reg.entry.name)

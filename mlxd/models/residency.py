@@ -26,9 +26,12 @@ from typing import Any
 from mlxd.errors import MlxdError, ModelLoadError, Overloaded
 from mlxd.models.loading import Loader
 from mlxd.models.spec import ModelEntry, ModelKind
-from mlxd.runtime.worker import ModelWorker
+from mlxd.runtime.worker import ModelWorker, WorkerThreads
 
 log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 30.0  # for the engine's close job to start and finish on its worker
+STOP_TIMEOUT_S = 5.0  # then for the worker thread to end
 
 
 class State(str, Enum):
@@ -100,7 +103,8 @@ class ResidencyManager:
     def __init__(self, entry: ModelEntry, kind: ModelKind, estimate: int, loader: Loader,
                  reserve: int = 0, on_change: Callable[[], Awaitable[None]] | None = None,
                  load_gate: asyncio.Lock | None = None,
-                 on_loaded: Callable[[str, float], None] | None = None) -> None:
+                 on_loaded: Callable[[str, float], None] | None = None,
+                 threads: WorkerThreads | None = None) -> None:
         self.entry = entry
         self.kind = kind
         self.estimate = estimate
@@ -109,6 +113,7 @@ class ResidencyManager:
         self._on_change = on_change
         self._load_gate = load_gate  # one load at a time per device
         self._on_loaded = on_loaded  # load-time metrics
+        self._threads = threads  # where a new worker finds a parked thread
         self.state = State.UNLOADED
         self.loaded: LoadedModel | None = None
         self.last_error: str | None = None
@@ -127,6 +132,10 @@ class ResidencyManager:
         self._job: _LoadJob | None = None
         self._load_task: asyncio.Task[LoadedModel] | None = None
         self._unload_task: asyncio.Task[None] | None = None
+        self.close_timeout = CLOSE_TIMEOUT_S
+        self.stop_timeout = STOP_TIMEOUT_S
+        # (worker, bytes) of unloaded engines whose thread did not stop: still counted
+        self._lingering: list[tuple[ModelWorker, int]] = []
 
     @property
     def name(self) -> str:
@@ -141,7 +150,16 @@ class ResidencyManager:
         return self.entry.pinned
 
     def accounted_bytes(self) -> int:
-        """Bytes this model holds against the budget (0 when unloaded)."""
+        """Bytes this model holds against the budget (0 when unloaded), counting an
+        earlier engine whose worker did not stop when it was unloaded."""
+        return self._engine_bytes() + self.lingering_bytes()
+
+    def lingering_bytes(self) -> int:
+        """Bytes of unloaded engines whose worker threads still run (0 once they end)."""
+        self._lingering = [(w, n) for w, n in self._lingering if w.alive]
+        return sum(n for _, n in self._lingering)
+
+    def _engine_bytes(self) -> int:
         if self.state in (State.UNLOADED, State.FAILED):
             return 0
         if self.state == State.LOADING or self.measured_bytes is None:
@@ -205,7 +223,7 @@ class ResidencyManager:
         if self._closing or self.retired:  # gave up while waiting for the device
             raise await self._give_up()
         t0 = time.monotonic()
-        worker = ModelWorker(self.name)
+        worker = ModelWorker(self.name, self._threads)
         worker.start()
         self._job = job = _LoadJob(self._loader)
         try:
@@ -301,22 +319,47 @@ class ResidencyManager:
 
     async def _unload(self, loaded: LoadedModel) -> None:
         await self._notify()
+        held = self._engine_bytes()
+        stopped = False
         try:
-            await self._persist(loaded)
-            await self._close(loaded)
+            try:  # behind a job that does not end, saving state would wait for ever
+                await asyncio.wait_for(self._persist(loaded), self.close_timeout)
+            except asyncio.TimeoutError:
+                log.warning("model %s: saving state before unload did not finish within "
+                            "%.0fs", self.name, self.close_timeout)
+            stopped = await self._close(loaded)
         finally:
+            if not stopped:  # the old engine may still hold its memory: keep counting it
+                self._lingering.append((loaded.worker, held))
             self.loaded = None
             self.measured_bytes = None
             self.state = State.UNLOADED
             await self._notify()
+        if not stopped:
+            raise Overloaded(f"Model '{self.name}' was unloaded but its worker is still "
+                             "running a job; its memory stays counted until the job ends.",
+                             retry_after=5, code="unload_incomplete")
 
-    @staticmethod
-    async def _close(loaded: LoadedModel, timeout: float = 30.0) -> None:
+    async def _close(self, loaded: LoadedModel, timeout: float | None = None) -> bool:
+        """Close the engine on its thread and stop the thread; whether the thread ended.
+
+        No lease is held, so a cancellable job still running (its client left) is cancelled
+        first: it stops before its next window and the close runs right after it.
+        """
+        loaded.worker.cancel_jobs()
+        timeout = self.close_timeout if timeout is None else timeout
         try:
             await asyncio.wait_for(loaded.worker.run(loaded.engine.close), timeout)
+        except asyncio.TimeoutError:  # its worker is still busy with a step or a job
+            log.warning("model %s: closing its engine did not start and finish within %.0fs",
+                        loaded.worker.name, timeout)
         except Exception:
             log.exception("closing engine failed")
-        await asyncio.to_thread(loaded.worker.stop, 5.0)
+        stopped = await asyncio.to_thread(loaded.worker.stop, self.stop_timeout)
+        if not stopped:
+            log.error("model %s: its worker did not stop within %.0fs of closing",
+                      loaded.worker.name, self.stop_timeout)
+        return stopped
 
     async def shutdown(self, timeout: float = 8.0) -> None:
         """Persist and close the engine whatever is happening; never hang past ``timeout``.

@@ -3,6 +3,17 @@
 MLX streams are bound to the thread that created them, and model code must
 never run on the asyncio event loop. The worker runs submitted jobs and, when
 a stepper (a scheduler) has work, advances it one step between jobs.
+
+A long job (a transcription) is *cancellable*: ``run_cancellable`` hands it a
+``CancelToken`` that it checks between windows, and sets it when its caller
+gives up (client gone) or when ``cancel_jobs`` is called (unload, shutdown),
+so the thread is free again within one window instead of at the end.
+
+Threads outlive their workers: MLX gives each thread that runs an op its own
+default stream, backed by a native thread that lives as long as the process,
+so one OS thread per load would leak one native thread per load/unload cycle.
+An ended worker's thread parks in ``WorkerThreads`` and the next worker
+adopts it (with its streams) instead of starting a new one.
 """
 
 from __future__ import annotations
@@ -14,6 +25,8 @@ import queue
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
+
+from mlxd.errors import Overloaded
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -29,10 +42,38 @@ class Stepper(Protocol):
 
 _STOP = object()
 THREAD_PREFIX = "mlxd-model-"
+IDLE_THREAD = "mlxd-idle-worker"
 
 # Whole-batch step failures in a row after which a model counts as broken
 # (one failure can be a bad request; several in a row fail everyone).
 FAILING_AFTER = 3
+
+
+class JobCancelled(Overloaded):
+    """A cancellable job stopped early: its caller gave up, or the model is unloading."""
+
+    def __init__(self) -> None:
+        super().__init__("The request was cancelled: the model is unloading or the server "
+                         "is shutting down; retry.", retry_after=1, code="cancelled")
+
+
+class CancelToken:
+    """Set by the event loop's side, checked by a job on the worker thread."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def check(self) -> None:
+        """Raise ``JobCancelled`` once cancelled (call it between windows / batches)."""
+        if self._event.is_set():
+            raise JobCancelled()
 
 
 def running_workers() -> list[str]:
@@ -41,34 +82,80 @@ def running_workers() -> list[str]:
             if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
 
 
+class WorkerThreads:
+    """Threads of ended workers, parked until a new worker adopts one (one per manager)."""
+
+    def __init__(self) -> None:
+        self._parked: list[queue.SimpleQueue[Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def parked(self) -> int:
+        with self._lock:
+            return len(self._parked)
+
+    def run(self, name: str, target: Callable[[], None]) -> None:
+        """Run ``target`` on a parked thread (renamed ``name``), or on a new one."""
+        with self._lock:
+            inbox = self._parked.pop() if self._parked else None
+        if inbox is not None:
+            inbox.put(lambda: self._host(name, target))
+            return
+        threading.Thread(target=self._serve, args=(name, target), name=name, daemon=True).start()
+
+    def _serve(self, name: str, target: Callable[[], None]) -> None:
+        inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        job: Callable[[], None] = lambda: self._host(name, target)  # noqa: E731
+        while True:
+            job()
+            threading.current_thread().name = IDLE_THREAD
+            with self._lock:
+                self._parked.append(inbox)
+            job = inbox.get()
+
+    @staticmethod
+    def _host(name: str, target: Callable[[], None]) -> None:
+        threading.current_thread().name = name
+        target()
+
+
 class ModelWorker:
     """A thread that owns one model. Jobs run in submission order."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: WorkerThreads | None = None) -> None:
         self.name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stepper: Stepper | None = None
-        self._thread = threading.Thread(target=self._run, name=THREAD_PREFIX + name, daemon=True)
+        self._threads = threads
+        self._ident: int | None = None  # the hosting thread, once running
+        self._ended = threading.Event()  # the run is over (the thread may live on, parked)
         self._stopping = threading.Event()
         self._started = False
         self.step_failures = 0  # consecutive whole-batch step failures
         self.last_step_error: str | None = None
         self.death: str | None = None  # why the thread died, if it did
+        self._tokens: set[CancelToken] = set()  # cancellable jobs queued or running
+        self._tokens_lock = threading.Lock()
+        self._at_exit: list[Callable[[], None]] = []
 
     def start(self) -> None:
         if not self._started:
             self._started = True
-            self._thread.start()
+            if self._threads is not None:
+                self._threads.run(THREAD_PREFIX + self.name, self._run)
+            else:
+                threading.Thread(target=self._run, name=THREAD_PREFIX + self.name,
+                                 daemon=True).start()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._started and not self._ended.is_set()
 
     @property
     def dead(self) -> bool:
         """The thread ended without being asked to (nothing will run here again)."""
         return self.death is not None or (
-            self._started and not self._thread.is_alive() and not self._stopping.is_set())
+            self._started and self._ended.is_set() and not self._stopping.is_set())
 
     def fault(self) -> str | None:
         """An engine-level fault that fails every request, or None when healthy."""
@@ -95,6 +182,33 @@ class ModelWorker:
         """``submit`` for async callers."""
         return await asyncio.wrap_future(self.submit(fn, *args))
 
+    async def run_cancellable(self, fn: Callable[..., T], *args: Any) -> T:
+        """``run(fn, *args, token)``: when the caller is cancelled (its client left), or
+        ``cancel_jobs`` is called, ``token`` is set and ``fn`` stops at its next check."""
+        token = CancelToken()
+        with self._tokens_lock:
+            self._tokens.add(token)
+        try:
+            return await asyncio.wrap_future(self.submit(fn, *args, token))
+        except asyncio.CancelledError:
+            token.cancel()
+            raise
+        finally:
+            with self._tokens_lock:
+                self._tokens.discard(token)
+
+    def cancel_jobs(self) -> int:
+        """Cancel every cancellable job queued or running (unload, shutdown); how many."""
+        with self._tokens_lock:
+            tokens = list(self._tokens)
+        for token in tokens:
+            token.cancel()
+        return len(tokens)
+
+    def at_exit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the worker thread when it ends (e.g. hand back its MLX streams)."""
+        self._at_exit.append(fn)
+
     def wake(self) -> None:
         """Nudge an idle worker so it looks at its stepper again."""
         self._jobs.put(None)
@@ -103,13 +217,15 @@ class ModelWorker:
         """Ask the thread to finish (after the current step) and wait for it."""
         self._stopping.set()
         self._jobs.put(_STOP)
-        if self._started and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._started and threading.get_ident() != self._ident:
+            self._ended.wait(timeout)
+        return not self.alive
 
     def _run(self) -> None:
+        self._ident = threading.get_ident()
         try:
             self._loop()
+            self._exit_hooks()
         except BaseException as e:  # the thread is dying: record why, fail what waits
             self.death = f"{type(e).__name__}: {e}"
             self._stopping.set()  # later jobs fail at once instead of hanging
@@ -121,6 +237,15 @@ class ModelWorker:
                 except BaseException:
                     log.exception("model %s: failing requests after the worker died", self.name)
             self._drain_cancelled()
+        finally:
+            self._ended.set()
+
+    def _exit_hooks(self) -> None:
+        for fn in reversed(self._at_exit):
+            try:
+                fn()
+            except Exception:
+                log.exception("model %s: worker exit hook failed", self.name)
 
     def _loop(self) -> None:
         while True:

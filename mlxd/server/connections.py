@@ -35,7 +35,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mlxd.config import ServerConfig
-from mlxd.server.drain import Drain
+from mlxd.server.drain import CUT_OFF_GRACE_S, Drain
 
 DEFAULT_MAX_CONNECTIONS = 1024
 MIN_MAX_CONNECTIONS = 8
@@ -319,13 +319,20 @@ class GuardedServer(uvicorn.Server):
                     self.config.timeout_graceful_shutdown or 0.0)
 
     async def on_tick(self, counter: int) -> bool:
-        """Also end the drain (every 0.1 s tick) once nothing is in flight or its time is up;
-        uvicorn's shutdown then gets what is left of --drain-timeout."""
+        """Also end the drain (every 0.1 s tick) once nothing is in flight or its time is up
+        (then what is in flight is cut off with 503s); uvicorn's shutdown then gets what is
+        left of --drain-timeout, or the cut-off's grace."""
         drain = self._drain()
         if drain is not None and not self.should_exit and drain.done():
             self.should_exit = True
             left = drain.deadline - time.monotonic()
-            self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
+            grace = 1.0
+            if drain.in_flight:  # the deadline passed: they get their 503s before uvicorn
+                drain.cut()      # would cancel them (server/drain.py)
+                logger.info("drain timeout: cutting off %d request(s) still in flight",
+                            drain.in_flight)
+                grace = CUT_OFF_GRACE_S
+            self.config.timeout_graceful_shutdown = math.ceil(max(grace, left))
         return await super().on_tick(counter)
 
 

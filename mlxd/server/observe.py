@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.generation.events import Finish
-from mlxd.server.drain import Drain, send_draining
+from mlxd.server.drain import Drain, run_until_cut_off, send_draining
 
 log = logging.getLogger("mlxd.request")
 
@@ -233,10 +233,12 @@ class RequestObserver:
         if drain is not None:
             drain.in_flight += 1  # what the drain phase waits for (server/drain.py)
         try:
-            if drain is not None and drain.refuses(scope):
-                await send_draining(scope, receive, send_with_id)
-            else:
+            if drain is None:
                 await self.app(scope, receive, send_with_id)
+            elif drain.refuses(scope):
+                await send_draining(scope, receive, send_with_id)
+            else:  # a 503 or a final error event if shutdown cuts it off
+                await run_until_cut_off(self.app, scope, receive, send_with_id, drain)
         except BaseException:
             if not record.status:
                 record.status = 500

@@ -25,6 +25,7 @@ from mlxd.models.manager import ModelLease
 from mlxd.models.spec import Family, ModelKind, ServingDefaults
 from mlxd.models.transient import TransientHold
 from mlxd.server.context import ServerContext
+from mlxd.server.disconnect import unless_disconnected
 from mlxd.server.observe import current_record
 from mlxd.server.sse import with_keepalive
 
@@ -102,14 +103,6 @@ def usage_openai(usage: Usage) -> dict[str, Any]:
                 "reasoning_tokens": usage.reasoning_tokens,
                 "accepted_prediction_tokens": usage.accepted_prediction_tokens,
                 "rejected_prediction_tokens": usage.rejected_prediction_tokens}}
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    """Returns when the client goes away (the body has already been read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def resolve_request_media(ctx: ServerContext, model: str, request: GenerationRequest,
@@ -271,20 +264,8 @@ class TextSession:
 
         if request is None:
             await gather()
-            return out
-        work = asyncio.create_task(gather())
-        gone = asyncio.create_task(wait_for_disconnect(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
-        if work.cancelled():
-            raise asyncio.CancelledError()
-        work.result()
+        else:
+            await unless_disconnected(request, gather())
         return out
 
 

@@ -6,20 +6,24 @@ through an ``asyncio.Queue`` and go out as deltas. The response starts only once
 first piece has arrived or the job has ended, so a refusal the engine makes at the start
 (a language the model does not speak) is still a plain 4xx. Then
 ``transcript.text.done`` carries the text, which is exactly the deltas concatenated. The
-lease is held until the stream ends (a client that goes away ends it).
+lease is held until the stream ends; a client that goes away ends it, and cancels the
+job, which stops before its next window (so an unload that follows finds the engine idle).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from mlxd.engines.base import Transcriber, Transcription, TranscriptionRequest
 from mlxd.errors import MlxdError
 from mlxd.models.manager import ModelLease
+from mlxd.server.disconnect import unless_disconnected
 from mlxd.server.sse import SSE_HEADERS, sse_data
 from mlxd.server.transcript_formats import usage
 
@@ -40,6 +44,13 @@ class _Pieces:
             engine.transcribe(job, on_text))
         # A client that left before the end: the job's outcome is still retrieved.
         self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def stop(self) -> None:
+        """Cancel the job if it still runs (the worker stops it before its next window)."""
+        if not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
 
     async def next(self) -> str | None:
         """The next piece, or None once the job has ended (raising its error, if any)."""
@@ -84,6 +95,7 @@ async def _events(first: str | None, pieces: _Pieces, lease: ModelLease[Transcri
         yield sse_data({"type": "error", "error": {"message": e.message, "type": e.error_type,
                                                    "param": e.param, "code": e.code}})
     finally:
+        await pieces.stop()  # a client that left: the job stops before its next window
         await lease.release()
         await on_close()
 
@@ -92,15 +104,20 @@ async def _nothing() -> None:
     pass
 
 
-async def stream_transcription(lease: ModelLease[Transcriber], job: TranscriptionRequest,
+async def stream_transcription(request: Request, lease: ModelLease[Transcriber],
+                               job: TranscriptionRequest,
                                on_close: OnClose = _nothing) -> StreamingResponse:
     """The SSE response; raises (a plain error response) if the job fails before its
-    first piece. Takes ownership of ``lease``; ``on_close`` runs once the stream ends
-    (or fails to start)."""
+    first piece, or ``ClientDisconnect`` if the client leaves first (a recording that
+    gives no text for minutes gives no piece). Takes ownership of ``lease``;
+    ``on_close`` runs once the stream ends (or fails to start)."""
+    pieces = None
     try:
         pieces = _Pieces(lease.engine, job)
-        first = await pieces.next()
+        first = await unless_disconnected(request, pieces.next())
     except BaseException:
+        if pieces is not None:
+            await pieces.stop()
         await lease.release()
         await on_close()
         raise

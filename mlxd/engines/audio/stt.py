@@ -8,6 +8,7 @@ families load through mlx-audio's loader (``stt_mlx_audio.py``).
 Weights are float32 on a CPU (MLX's float16 CPU kernels are ~8x slower) and
 float16 on a GPU. Every request runs as one job on the model's ``ModelWorker``:
 concurrent uploads queue there in arrival order, never on the event loop.
+A job whose caller gives up (client gone, unload) stops at its next 30 s window.
 A recording that is digital silence gets an empty transcript without a decode
 (Whisper tends to hallucinate words into silence).
 """
@@ -48,7 +49,7 @@ from mlxd.engines.base import (
 )
 from mlxd.engines.device import device_name, weights_nbytes
 from mlxd.errors import InvalidRequest, ModelLoadError
-from mlxd.runtime.worker import ModelWorker
+from mlxd.runtime.worker import CancelToken, ModelWorker
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class STTEngine:
         self.backend = "unloaded"
         # The running job's text sink (jobs run one at a time on the worker thread).
         self._on_text: Callable[[str], None] | None = None
+        self._cancel: CancelToken | None = None  # the running job's
         self._lock = threading.Lock()  # counters: read on the event loop, written on the worker
         self._counts = {"requests": 0, "running": 0, "audio_seconds": 0.0, "busy_seconds": 0.0}
 
@@ -86,7 +88,8 @@ class STTEngine:
         try:
             if family is None:
                 self.model = load_whisper(self.name, self.path, dtype)
-                self._transcribe = bind_transcribe(self.name, self.model, self._printed)
+                self._transcribe = bind_transcribe(self.name, self.model, self._printed,
+                                                   self._check_cancelled)
             else:
                 self.model = load_mlx_audio(self.name, self.path)
                 self.model.set_dtype(dtype)
@@ -138,7 +141,7 @@ class STTEngine:
             self._counts["requests"] += 1
             self._counts["running"] += 1
         try:
-            return await self.worker.run(self._run, request, duration, on_text)
+            return await self.worker.run_cancellable(self._run, request, duration, on_text)
         finally:
             with self._lock:
                 self._counts["running"] -= 1
@@ -148,12 +151,17 @@ class STTEngine:
         if text is not None and self._on_text is not None:
             self._on_text(text)
 
+    def _check_cancelled(self) -> None:
+        if self._cancel is not None:
+            self._cancel.check()
+
     def _run(self, request: TranscriptionRequest, duration: float,
-             on_text: Callable[[str], None] | None) -> Transcription:
+             on_text: Callable[[str], None] | None, cancel: CancelToken) -> Transcription:
         if self.model is None:
             raise InvalidRequest(f"Model '{self.name}' is not loaded.")
+        cancel.check()  # gave up while queued
         t0 = time.monotonic()
-        self._on_text = on_text
+        self._on_text, self._cancel = on_text, cancel
         try:
             if self._transcribe is not None:
                 language = check_language(self.name, self.model, request)
@@ -161,9 +169,9 @@ class STTEngine:
                                      verbose=on_text is not None)
             else:
                 check_request(self.name, request)
-                result = run_mlx_audio(self.model, request, on_text)
+                result = run_mlx_audio(self.model, request, on_text, cancel.check)
         finally:
-            self._on_text = None
+            self._on_text = self._cancel = None
         with self._lock:
             self._counts["audio_seconds"] += duration
             self._counts["busy_seconds"] += time.monotonic() - t0

@@ -59,9 +59,11 @@ def check_request(name: str, request: TranscriptionRequest) -> None:
 
 
 def run_mlx_audio(model: Any, request: TranscriptionRequest,
-                  on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+                  on_text: Callable[[str], None] | None = None,
+                  check_cancelled: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Window by window: one ``generate`` per 30 s, segments offset to the recording;
-    ``on_text`` gets each window's text as soon as it is decoded."""
+    ``on_text`` gets each window's text as soon as it is decoded; ``check_cancelled``
+    runs before each window and may raise to stop."""
     rate = request.sample_rate
     step = WINDOW_SECONDS * rate
     options: dict[str, Any] = {"temperature": request.temperature}
@@ -70,6 +72,7 @@ def run_mlx_audio(model: Any, request: TranscriptionRequest,
     texts: list[str] = []
     segments: list[dict[str, Any]] = []
     for start in range(0, len(request.audio), step):
+        check_cancelled()
         window = request.audio[start:start + step]
         out = model.generate(window, **options)
         text = str(out.text).strip()

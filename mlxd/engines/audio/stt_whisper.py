@@ -7,7 +7,9 @@ cache keyed by path: one model per process, loaded behind our back and never
 freed on unload. ``bind_transcribe`` gives each engine its own copy of that
 function whose ``ModelHolder`` is the engine's loaded model, so two Whisper
 models can be served side by side and an unload frees the weights. It checks
-the library still has that shape and refuses to load otherwise.
+the library still has that shape and refuses to load otherwise. The same copy
+checks for cancellation before each 30 s window (its ``pad_or_trim`` call), so a
+job nobody waits for stops there.
 """
 
 from __future__ import annotations
@@ -55,17 +57,20 @@ def load_whisper(name: str, path: Path, dtype: Any) -> Any:
     return model
 
 
-def bind_transcribe(name: str, model: Any, printed: Callable[[str], None]) -> TranscribeFn:
+def bind_transcribe(name: str, model: Any, printed: Callable[[str], None],
+                    check_cancelled: Callable[[], None] = lambda: None) -> TranscribeFn:
     """mlx-whisper's ``transcribe``, reading ``model`` instead of its process-wide cache.
 
     With ``verbose=True`` it prints each segment as soon as its window is decoded
     (``[00:00.000 --> 00:03.360] text``); its ``print`` is ``printed`` instead, so a
-    caller can stream segments without a change to the loop.
+    caller can stream segments without a change to the loop. ``check_cancelled`` runs
+    before each window is cut from the spectrogram and may raise to stop the loop.
     """
     # The package re-exports the function under the module's name: fetch the module.
     library = importlib.import_module("mlx_whisper.transcribe")
     fn = library.transcribe
-    if "ModelHolder" not in fn.__code__.co_names or not hasattr(library, "ModelHolder"):
+    if ("ModelHolder" not in fn.__code__.co_names or not hasattr(library, "ModelHolder")
+            or "pad_or_trim" not in fn.__code__.co_names):
         raise ModelLoadError(name, "this mlx-whisper version's transcribe() no longer reads "
                                    "its model from ModelHolder; mlxd supports mlx-whisper 0.4.x")
 
@@ -77,7 +82,13 @@ def bind_transcribe(name: str, model: Any, printed: Callable[[str], None]) -> Tr
     def _print(*args: Any, **_kw: Any) -> None:
         printed(" ".join(str(a) for a in args))
 
-    env = dict(fn.__globals__, ModelHolder=_Holder, print=_print)
+    pad_or_trim = fn.__globals__["pad_or_trim"]
+
+    def _window(*args: Any, **kw: Any) -> Any:  # once per 30 s window
+        check_cancelled()
+        return pad_or_trim(*args, **kw)
+
+    env = dict(fn.__globals__, ModelHolder=_Holder, print=_print, pad_or_trim=_window)
     bound = types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
     bound.__kwdefaults__ = dict(fn.__kwdefaults__ or {})
     return bound

@@ -10,13 +10,14 @@ import base64
 from typing import Any
 
 import numpy as np
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from mlxd.engines.base import EMBEDDING
 from mlxd.errors import InvalidRequest
 from mlxd.protocol.embeddings import EmbeddingRequest
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.disconnect import unless_disconnected
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.observe import count_input_tokens
 
@@ -72,16 +73,17 @@ def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str
 
 
 @router.post(ENDPOINT)
-async def create_embeddings(req: EmbeddingRequest,
+async def create_embeddings(req: EmbeddingRequest, request: Request,
                             ctx: ServerContext = Depends(get_ctx)) -> JSONResponse:
-    """Embed ``input`` with an embedding model (OpenAI response shape)."""
+    """Embed ``input`` with an embedding model (OpenAI response shape); a client that
+    leaves first takes its rows that have not run out of the batch queue."""
     ctx.manager.check_kind(req.model, EMBEDDING, ENDPOINT)
     inputs = embedding_inputs(req.input, ctx.config.max_embedding_inputs)
     async with ctx.manager.lease(req.model, EMBEDDING, ENDPOINT) as lease:
         engine = lease.engine
         engine.check_dimensions(req.dimensions)
         encoded = await engine.encode(inputs)
-        vectors = await engine.embed(encoded, req.dimensions)
+        vectors = await unless_disconnected(request, engine.embed(encoded, req.dimensions))
     tokens = sum(len(e) for e in encoded)
     count_input_tokens(tokens)
     data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}

@@ -18,6 +18,7 @@ from mlxd.engines.base import RERANK
 from mlxd.errors import InvalidRequest
 from mlxd.protocol.rerank import RerankRequest
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.disconnect import unless_disconnected
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.observe import count_input_tokens
 
@@ -64,7 +65,8 @@ async def _rerank(req: RerankRequest, request: Request, ctx: ServerContext) -> J
                 f"The query-document pairs are {tokens} tokens; this server accepts at most "
                 f"{ctx.config.max_rerank_tokens} per request (--max-rerank-tokens).",
                 param="documents", code="too_many_tokens")
-        scores = [float(s) for s in await engine.score(encoded)]
+        # a client that leaves first takes its pairs that have not run out of the queue
+        scores = [float(s) for s in await unless_disconnected(request, engine.score(encoded))]
     count_input_tokens(tokens)
     return JSONResponse({
         "id": f"rerank-{uuid.uuid4().hex}", "model": req.model,

@@ -26,6 +26,7 @@ from mlxd.media.audio_limits import AudioLimits
 from mlxd.models.transient import TransientHold
 from mlxd.protocol.transcription import TranscriptionForm, form_schema
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.disconnect import unless_disconnected
 from mlxd.server.multipart import MultipartForm, read_multipart
 from mlxd.server.transcript_formats import render
 from mlxd.server.transcript_stream import stream_transcription
@@ -112,9 +113,10 @@ async def _serve(request: Request, ctx: ServerContext, task: Task, endpoint: str
         if form.stream:
             lease = await ctx.manager.acquire(form.model, TRANSCRIPTION, endpoint)
             streaming = True  # the stream releases the holds when it ends
-            return await stream_transcription(lease, job, on_close=release_holds)
+            return await stream_transcription(request, lease, job, on_close=release_holds)
         async with ctx.manager.lease(form.model, TRANSCRIPTION, endpoint) as held:
-            transcript = await held.engine.transcribe(job)
+            # a client that leaves first stops the job before its next 30 s window
+            transcript = await unless_disconnected(request, held.engine.transcribe(job))
         return render(transcript, form.response_format, task, form.timestamp_granularities)
     finally:
         if not streaming:
