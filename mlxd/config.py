@@ -97,6 +97,9 @@ class ServerConfig(BaseSettings):
     contention: Literal["wait", "fail"] | None = None
     wait_timeout_s: float | None = None
     kv_reserve_tokens: int = 32_768
+    kv_output_estimate: int = Field(1024, gt=0, description=(
+        "output tokens admission by live KV expects of a request that sets no limit (it may "
+        "grow past it while memory allows; see docs/memory.md)"))
 
     # Embeddings and rerank
     max_embedding_inputs: int = 2048

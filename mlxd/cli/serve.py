@@ -51,6 +51,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--kv-reserve-tokens", "kv_reserve_tokens", {
         "type": int, "help": "tokens of KV cache reserved in a text model's memory estimate "
                              "(default 32768)"}),
+    ("--kv-output-estimate", "kv_output_estimate", {
+        "type": int, "help": "output tokens admission by live KV expects of a request that "
+                             "sets no limit (default 1024; see docs/memory.md)"}),
     ("--response-store-max", "response_store_max", {
         "type": int, "help": "Responses API: stored responses kept (default 1000)"}),
     ("--response-store-bytes", "response_store_bytes", {

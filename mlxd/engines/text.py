@@ -25,6 +25,7 @@ from mlxd.engines.device import weights_nbytes
 from mlxd.engines.draft import DraftModel, load_draft_model, plain_kv
 from mlxd.engines.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
 from mlxd.engines.input_processor import InputLimits, InputProcessor, PreparedPrompt
+from mlxd.engines.kv_admission import KVLedger, kv_ledger
 from mlxd.engines.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
 from mlxd.engines.prefill import (
     PrefillAttention,
@@ -73,6 +74,7 @@ class TextEngineOptions:
     batching: bool = True
     max_context: int | None = None
     default_max_tokens: int | None = None  # None: the rest of the context
+    kv_output_estimate: int = 1024  # output tokens expected of a request with no limit
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     trust_remote_code: bool = False
@@ -125,6 +127,7 @@ class MLXLanguageModel:
         self._prefill_attention: PrefillAttention | None = None  # undone at close
         self.vocab_size = 0  # token ids a client may send: [0, vocab_size)
         self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
+        self.kv: KVLedger | None = None  # admission by live KV, under a memory budget
 
     # -- lifecycle (worker thread) -----------------------------------------
     def load(self) -> None:
@@ -152,6 +155,11 @@ class MLXLanguageModel:
                                          and not is_trimmable(probe_cache))
         self.draft = self._load_draft(probe_cache)
         self.scheduler = self._scheduler(model, probe_cache)
+        self.kv = kv_ledger(model, config, self.worker.budget,
+                            lambda: self._weights_bytes + self.options.prefix_cache_bytes,
+                            self.options.kv_output_estimate)
+        if isinstance(self.scheduler, BatchScheduler):
+            self.scheduler.kv = self.kv
         self.worker.set_stepper(self.scheduler)
         if self.prefix_cache is not None and self.options.prefix_cache_dir is not None:
             restored = self.prefix_cache.restore(self.options.prefix_cache_dir)
@@ -249,6 +257,7 @@ class MLXLanguageModel:
             self.scheduler.close()
         self.worker.set_stepper(None)
         self.scheduler = None
+        self.kv = None
         self.prefix_cache = None
         self.inputs = None
         self.model = None
@@ -266,7 +275,8 @@ class MLXLanguageModel:
             total += self.prefix_cache.nbytes
         sched = self.scheduler
         if isinstance(sched, BatchScheduler):
-            total += sched.cache_nbytes()
+            # the KV granted to running sequences is held for them, grown into or not
+            total += max(sched.cache_nbytes(), self.kv.granted_bytes() if self.kv else 0)
         return total
 
     def describe(self) -> dict[str, Any]:
@@ -329,6 +339,8 @@ class MLXLanguageModel:
         sampling = req.sampling
         if seed_offset and sampling.seed is not None:  # wraps within the 64-bit seed space
             sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
+        if self.kv is not None:
+            self.kv.refuse_never_fitting(prepared)
         sink = AsyncQueueSink(asyncio.get_running_loop())
         seq = Sequence(
             seq_id=prepared.id + uuid.uuid4().hex[:8], prompt=prepared,

@@ -100,7 +100,8 @@ class ResidencyManager:
     def __init__(self, entry: ModelEntry, kind: ModelKind, estimate: int, loader: Loader,
                  reserve: int = 0, on_change: Callable[[], Awaitable[None]] | None = None,
                  load_gate: asyncio.Lock | None = None,
-                 on_loaded: Callable[[str, float], None] | None = None) -> None:
+                 on_loaded: Callable[[str, float], None] | None = None,
+                 budget: Callable[[], tuple[int, int]] | None = None) -> None:
         self.entry = entry
         self.kind = kind
         self.estimate = estimate
@@ -109,6 +110,7 @@ class ResidencyManager:
         self._on_change = on_change
         self._load_gate = load_gate  # one load at a time per device
         self._on_loaded = on_loaded  # load-time metrics
+        self._budget = budget  # (budget, bytes other models hold), handed to the engine
         self.state = State.UNLOADED
         self.loaded: LoadedModel | None = None
         self.last_error: str | None = None
@@ -205,7 +207,7 @@ class ResidencyManager:
         if self._closing or self.retired:  # gave up while waiting for the device
             raise await self._give_up()
         t0 = time.monotonic()
-        worker = ModelWorker(self.name)
+        worker = ModelWorker(self.name, budget=self._budget)
         worker.start()
         self._job = job = _LoadJob(self._loader)
         try:
