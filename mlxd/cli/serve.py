@@ -71,6 +71,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--prefill-step-size", "prefill_step_size", {"type": int,
                                                   "help": "largest prompt chunk per step (default "
                                                           "2048; smaller while others decode)"}),
+    ("--prefix-cache-disk-bytes", "prefix_cache_disk_bytes", {
+        "type": int, "help": "bytes of a disk tier under $MLXD_HOME/prefix-cache-disk/ for "
+                             "entries the RAM prefix cache evicts (default 0: off)"}),
     ("--prefix-cache-bytes", "prefix_cache_bytes", {"type": int,
                                                     "help": "prefix cache bytes per text model "
                                                             "(default 5%% of the budget, at most "

@@ -60,6 +60,8 @@ class EngineFactory:
             reasoning_parser=entry.reasoning_parser or cfg.reasoning_parser,
             tool_call_parser=entry.tool_call_parser or cfg.tool_call_parser,
             trust_remote_code=entry.trust_remote_code,
+            prefix_cache_disk_bytes=cfg.prefix_cache_disk_bytes if not cfg.hosts else 0,
+            prefix_cache_disk_dir=cfg.prefix_cache_disk_dir / safe_name,
             prefix_cache_dir=(cfg.prefix_cache_dir / safe_name
                               if cfg.enable_prefix_cache_persist and not cfg.hosts else None),
             group=group_options(cfg),

@@ -33,6 +33,7 @@ from mlxd.engines.prefill import (
     install_cpu_prefill_attention,
 )
 from mlxd.engines.prefix_cache import PrefixCache, model_identity
+from mlxd.engines.prefix_disk import DiskTier
 from mlxd.engines.prompt_limits import max_token_chars, vocab_bound
 from mlxd.engines.scheduler import (
     AsyncQueueSink,
@@ -79,6 +80,8 @@ class TextEngineOptions:
     tool_call_parser: str | None = None
     trust_remote_code: bool = False
     prefix_cache_dir: Path | None = None
+    prefix_cache_disk_bytes: int = 0  # the disk tier under the prefix cache (0: none)
+    prefix_cache_disk_dir: Path | None = None
     group: GroupOptions | None = None  # set when the model is sharded over a group
     speculative: SpeculativeOptions | None = None  # drafting in the batched scheduler
     draft_model: Path | None = None  # its folder, for ``speculative.mode == "draft"``
@@ -218,8 +221,10 @@ class MLXLanguageModel:
         opts = replace(self.options,
                        prefill_step_size=cpu_prefill_chunk(self.options.prefill_step_size))
         if opts.prefix_cache_bytes > 0:
-            self.prefix_cache = PrefixCache(opts.prefix_cache_bytes,
-                                            identity=model_identity(self.path))
+            identity = model_identity(self.path)
+            disk = (DiskTier(opts.prefix_cache_disk_dir, opts.prefix_cache_disk_bytes, identity)
+                    if opts.prefix_cache_disk_bytes > 0 and opts.prefix_cache_disk_dir else None)
+            self.prefix_cache = PrefixCache(opts.prefix_cache_bytes, identity=identity, disk=disk)
         if opts.batching and can_batch(probe_cache):
             prefill_batch = prefill_batch_size(str(self.config.get("model_type", "")),
                                                probe_cache, opts.max_num_seqs)
@@ -255,6 +260,8 @@ class MLXLanguageModel:
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # its disk tier's queued writes
         self.worker.set_stepper(None)
         self.scheduler = None
         self.kv = None
