@@ -53,6 +53,8 @@ def test_evicted_entries_go_to_disk_and_come_back(tiny_model: Path, tmp_path: Pa
         complete(http, PROMPT_B)  # evicts A's state from RAM
         assert sidecars(folder)
         again_a = complete(http, PROMPT_A)
+        metrics = http.get("/metrics").text
+    assert 'mlxd_prefix_cache_disk_reads_total{model="tiny"} 1.0' in metrics
     assert cached(first_a) == 0
     assert cached(again_a) >= first_a["usage"]["prompt_tokens"] - 2
     assert again_a["choices"][0]["text"] == first_a["choices"][0]["text"]

@@ -309,6 +309,10 @@ class MLXLanguageModel:
                        prefix_cache_misses=self.prefix_cache.misses,
                        prefix_cache_bytes=self.prefix_cache.nbytes,
                        prefix_cache_entries=len(self.prefix_cache))
+            disk = self.prefix_cache.disk
+            if disk is not None:
+                out.update(prefix_cache_disk_bytes=disk.nbytes,
+                           prefix_cache_disk_reads=disk.reads)
         return out
 
     # -- requests ------------------------------------------------------------

@@ -64,6 +64,10 @@ class ManagerCollector:
                                         "model confirmed (speculative decoding)", labels=["model"])
         drafts_bad = CounterMetricFamily("mlxd_speculative_rejected_tokens", "Draft tokens the "
                                          "model refused (speculative decoding)", labels=["model"])
+        disk_bytes = GaugeMetricFamily("mlxd_prefix_cache_disk_bytes", "Bytes the prefix "
+                                       "cache's disk tier holds", labels=["model"])
+        disk_reads = CounterMetricFamily("mlxd_prefix_cache_disk_reads", "Entries read back "
+                                         "from the prefix cache's disk tier", labels=["model"])
         kv = _KVGauges()
         group = _GroupGauges()
         for res in manager.residencies():
@@ -76,6 +80,9 @@ class ManagerCollector:
             running.add_metric([res.name], stats.get("running", 0))
             waiting.add_metric([res.name], stats.get("waiting", 0))
             cache.add_metric([res.name], stats.get("prefix_cache_bytes", 0))
+            if "prefix_cache_disk_bytes" in stats:
+                disk_bytes.add_metric([res.name], stats["prefix_cache_disk_bytes"])
+                disk_reads.add_metric([res.name], stats["prefix_cache_disk_reads"])
             hits.add_metric([res.name], stats.get("prefix_cache_hits", 0))
             lookups.add_metric([res.name], stats.get("prefix_cache_hits", 0) +
                                stats.get("prefix_cache_misses", 0))
@@ -90,7 +97,8 @@ class ManagerCollector:
             if isinstance(stats.get("group"), dict):
                 group.add(res.name, stats["group"])
         yield from (state, memory, loads, leases, running, waiting, cache, hits, lookups, steps,
-                    batch, drafts_ok, drafts_bad, *kv.families(), *group.families())
+                    batch, drafts_ok, drafts_bad, disk_bytes, disk_reads, *kv.families(),
+                    *group.families())
 
 
 class _KVGauges:
