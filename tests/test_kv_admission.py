@@ -131,3 +131,32 @@ def test_preempted_sequence_answers_as_if_uninterrupted(
     # a resumed sequence picks up its KV from the prefix cache
     assert after["mlxd_prefix_cache_hits"] > before["mlxd_prefix_cache_hits"]
     assert (text, reason) == (alone, alone_reason)
+
+
+def test_a_second_model_shrinks_the_first_models_allowance(
+        tiny_model: Path, tiny_model_b: Path, tmp_path: Path) -> None:
+    """Across models: what another model holds comes off this model's KV allowance, so a
+    second model's load and long prompts on the first never add up past the budget."""
+    from mlxd.models.spec import ModelEntry
+    from tests.helpers.retrieval import registry_config
+
+    budget = (weights_bytes_of_folder(tiny_model) + weights_bytes_of_folder(tiny_model_b)
+              + 2 * PREFIX_CACHE_BYTES + 2000 * BYTES_PER_TOKEN)
+    entries = [ModelEntry(name="tiny", source=str(tiny_model)),
+               ModelEntry(name="tiny-b", source=str(tiny_model_b))]
+    cfg = registry_config(tmp_path / "models.yaml", entries, tmp_path / "home",
+                          no_starter=True, memory_budget=str(budget),
+                          prefix_cache_bytes=PREFIX_CACHE_BYTES, kv_reserve_tokens=64,
+                          enable_prefix_cache_persist=False)
+    with running_server(cfg) as srv:
+        complete(srv, prompt_of(1), max_tokens=4)
+        alone = kv_metrics(srv)["mlxd_kv_allowance_bytes"]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        client.completions.create(model="tiny-b", prompt=prompt_of(2), max_tokens=4)
+        complete(srv, prompt_of(3), max_tokens=4)
+        beside = kv_metrics(srv)["mlxd_kv_allowance_bytes"]
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+    held_by_b = next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == "mlxd_model_memory_bytes" and s.labels["model"] == "tiny-b")
+    assert held_by_b > 0
+    assert alone - beside == held_by_b
