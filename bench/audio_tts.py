@@ -93,7 +93,7 @@ def speak_streamed(http: httpx.Client, text: str) -> tuple[float, float]:
 
 def raw_worker(text: str, repeats: int, out: str) -> int:
     """In its own process: the Piper backend alone, sentence by sentence."""
-    from mlxd.engines.tts_piper import PiperBackend
+    from mlxd.engines.audio.tts_piper import PiperBackend
     from mlxd.media.phonemes import split_sentences
     from mlxd.models.catalog import local_path_of
 

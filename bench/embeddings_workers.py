@@ -76,7 +76,7 @@ def raw_rerank(model_dir: str, pairs: list[list[str]], batch: int) -> Pass:
     import mlx.core as mx
     from transformers import AutoTokenizer
 
-    from mlxd.engines.cross_encoder import load_cross_encoder, rerank_forward
+    from mlxd.engines.encoders.cross_encoder import load_cross_encoder, rerank_forward
 
     model = load_cross_encoder(Path(model_dir), dtype=mx.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -6,9 +6,9 @@ cache, prompt run chunk by chunk as ``BatchGenerator`` prefills it, logits
 left unevaluated as there):
 
 - ``before``: chunks of 2,048 tokens, mlx-lm's attention and SwiGLU (mlxd before
-  engines/prefill.py);
+  engines/kernels/prefill.py);
 - ``chunked``: chunks of ``CPU_PREFILL_CHUNK``, mlx-lm's attention and SwiGLU;
-- ``mlxd``: chunks of ``CPU_PREFILL_CHUNK``, NumPy attention and the base-2 SwiGLU (engines/prefill.py).
+- ``mlxd``: chunks of ``CPU_PREFILL_CHUNK``, NumPy attention and the base-2 SwiGLU (engines/kernels/prefill.py).
 
 Also measured: this CPU's sgemm rate on a prefill-shaped matmul, and the
 time the prompt's matmul FLOPs (weights and causal attention) would take at
@@ -71,7 +71,7 @@ def measure(folder: Path, n_tokens: int, reps: int) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.utils import load
 
-    from mlxd.engines import prefill as ours
+    from mlxd.engines.kernels import prefill as ours
 
     model, _, config = cast(tuple[Any, Any, dict[str, Any]],
                             load(str(folder), return_config=True))

@@ -69,11 +69,11 @@ def _decode(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int,
             spec: bool, num_draft_tokens: int, draft: Any = None) -> dict[str, Any]:
     """Greedy decode of ``prompts``; ``spec`` drafts by prompt lookup, or with the draft
     model ``draft`` when one is given (``bench/speculative_draft.py``)."""
-    from mlxd.engines.draft import DraftModel
-    from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
-    from mlxd.engines.prompt_limits import vocab_bound
-    from mlxd.engines.sampling import greedy
-    from mlxd.engines.speculative import SpeculativeOptions
+    from mlxd.engines.text.draft import DraftModel
+    from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
+    from mlxd.engines.text.prompt_limits import vocab_bound
+    from mlxd.engines.text.sampling import greedy
+    from mlxd.engines.text.speculative import SpeculativeOptions
 
     eos = sorted(tok.eos_token_ids)
     mode = "off" if not spec else "draft" if draft is not None else "prompt-lookup"
@@ -162,7 +162,7 @@ def run(folder: Path, quick: bool, *, repeats: int = 1, num_draft_tokens: int | 
         only: str | None = None, with_forward_cost: bool = True) -> dict[str, Any]:
     from mlx_lm import load
 
-    from mlxd.engines.speculative import SpeculativeOptions
+    from mlxd.engines.text.speculative import SpeculativeOptions
 
     k = num_draft_tokens or SpeculativeOptions().num_draft_tokens
     model, tok = load(str(folder))[:2]

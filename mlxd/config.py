@@ -64,6 +64,10 @@ class ServerConfig(BaseSettings):
     log_repeat_interval: float = Field(10.0, gt=0, description=(
         "repeated connection errors (timeouts, accept failures) are logged once per this "
         "many seconds, with a count"))
+    keepalive_interval: float = Field(5.0, gt=0, le=3600, description=(
+        "a streaming text response silent this many seconds (a long prompt being "
+        "prefilled, a batch stalled by another prefill) sends a keep-alive: an Anthropic "
+        "ping, a repeated Responses response.in_progress, a chat-completions SSE comment"))
 
     # Generation defaults and limits
     max_tokens: int | None = Field(None, gt=0, description=(

@@ -38,14 +38,38 @@ class InvalidRequest(MlxdError):
     error_type = "invalid_request_error"
 
 
+class ContextOverflow(InvalidRequest):
+    """The prompt alone does not fit in the model's context (400).
+
+    Carries the numbers so each API can word it as its clients expect (Anthropic's
+    clients compact their history on ``prompt is too long: N tokens > M maximum``).
+    ``prompt_tokens`` is the prompt's token count when ``counted`` (a prompt over 64K
+    characters is counted in chunks, which may come out a few tokens short per chunk),
+    else a lower bound (a prompt refused by its size alone); ``context`` is the model's
+    context length.
+    """
+
+    def __init__(self, message: str, *, prompt_tokens: int, context: int, counted: bool,
+                 param: str | None = None) -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+        self.prompt_tokens = prompt_tokens
+        self.context = context
+        self.counted = counted
+
+    def __reduce__(self) -> tuple[object, ...]:  # keyword-only fields survive a pickle
+        return (_context_overflow, (self.message, self.prompt_tokens, self.context,
+                                    self.counted, self.param))
+
+
+def _context_overflow(message: str, prompt_tokens: int, context: int, counted: bool,
+                      param: str | None) -> ContextOverflow:
+    return ContextOverflow(message, prompt_tokens=prompt_tokens, context=context,
+                           counted=counted, param=param)
+
+
 class AuthenticationError(MlxdError):
     status = 401
     error_type = "authentication_error"
-
-
-class PermissionDenied(MlxdError):
-    status = 403
-    error_type = "permission_error"
 
 
 class ModelNotFound(MlxdError):

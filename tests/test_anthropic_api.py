@@ -7,6 +7,7 @@ through the engine's real output pipeline (``tests/helpers/scripted_engine.py``)
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,9 @@ def test_thinking_disabled_reaches_the_template(client: anthropic.Anthropic,
     client.messages.create(model=MODEL, max_tokens=8, messages=HI,
                            thinking={"type": "enabled", "budget_tokens": 1024})
     assert loader.last_prompt.endswith("<|im_start|>assistant\n")
+    client.messages.create(model=MODEL, max_tokens=8, messages=HI,
+                           thinking={"type": "adaptive"})
+    assert loader.last_prompt.endswith("<|im_start|>assistant\n")
 
 
 def test_stop_sequence_is_reported(client: anthropic.Anthropic, loader: ScriptedLoader) -> None:
@@ -165,6 +169,100 @@ def test_max_tokens_beyond_the_context_stops_at_the_window(
     msg = client.messages.create(model=MODEL, max_tokens=4096, messages=HI)
     assert msg.stop_reason == "model_context_window_exceeded"
     assert msg.usage.input_tokens + msg.usage.output_tokens == 2048
+
+
+def test_a_resume_that_cannot_fit_reads_prompt_is_too_long(
+        http: httpx.Client, loader: ScriptedLoader) -> None:
+    """What Claude Code does after ``model_context_window_exceeded``: it sends the partial
+    answer back with a request to resume, which no longer fits; the 400 must then read
+    like Anthropic's, the words it compacts its history on."""
+    loader.reply = "a b " * 1500
+    first = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 4096,
+                                            "messages": HI}).json()
+    assert first["stop_reason"] == "model_context_window_exceeded"
+    resume = [*HI, {"role": "assistant", "content": first["content"]},
+              {"role": "user", "content": "Output token limit hit. Resume directly."}]
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 4096, "messages": resume})
+    assert_anthropic_error(r, 400, "invalid_request_error", "prompt is too long: ")
+    message = r.json()["error"]["message"]
+    tokens, maximum = (int(x) for x in re.fullmatch(
+        r"prompt is too long: (\d+) tokens > (\d+) maximum", message).groups())
+    assert tokens > maximum == 2047
+    counted = http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": resume})
+    assert counted.status_code == 200 and counted.json() == {"input_tokens": tokens}
+
+
+@pytest.mark.parametrize("chars", [12_000, 90_000])  # counted whole; counted in chunks
+def test_count_tokens_counts_beyond_the_context(http: httpx.Client, chars: int) -> None:
+    long = [{"role": "user", "content": "word " * (chars // 5)}]
+    counted = http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": long})
+    assert counted.status_code == 200, counted.text
+    tokens = counted.json()["input_tokens"]
+    assert tokens > 2048
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": long})
+    assert_anthropic_error(r, 400, "invalid_request_error",
+                           f"prompt is too long: {tokens} tokens > 2047 maximum")
+
+
+def test_context_overflow_keeps_its_numbers_through_a_pickle() -> None:
+    """The numbers behind 'prompt is too long' survive crossing a process boundary."""
+    import pickle
+
+    from mlxd.errors import ContextOverflow
+
+    error = pickle.loads(pickle.dumps(ContextOverflow(
+        "too long", prompt_tokens=3000, context=2048, counted=True, param="messages")))
+    assert (error.prompt_tokens, error.context, error.counted, error.param, error.code) == \
+        (3000, 2048, True, "messages", "context_length_exceeded")
+
+
+def test_system_message_inside_messages_is_a_system_turn_in_place(
+        client: anthropic.Anthropic, loader: ScriptedLoader) -> None:
+    """Claude Code's mid-conversation system message: this model's template renders a
+    system turn anywhere, so it stays where it was sent."""
+    loader.reply = "ok"
+    client.messages.create(model=MODEL, max_tokens=4, system="You are terse.", messages=[
+        {"role": "user", "content": "First question"},
+        {"role": "system", "content": "Agents available: none."},
+        {"role": "assistant", "content": "First answer"},
+        {"role": "system", "content": [{"type": "text", "text": "Be kind."}]},
+        {"role": "user", "content": "Second question"}])
+    prompt = loader.last_prompt
+    marks = ["<|im_start|>system\nYou are terse.<|im_end|>", "First question",
+             "<|im_start|>system\nAgents available: none.<|im_end|>", "First answer",
+             "<|im_start|>system\nBe kind.<|im_end|>", "Second question"]
+    positions = [prompt.find(m) for m in marks]
+    assert -1 not in positions and positions == sorted(positions), prompt
+
+
+def test_system_message_with_an_image_block_is_a_400(http: httpx.Client) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "AAAA"}}
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [
+        *HI, {"role": "system", "content": [image]}]})
+    assert_anthropic_error(r, 400, "invalid_request_error", "only 'text' blocks")
+
+
+def test_claude_code_fields_and_headers_are_accepted(http: httpx.Client,
+                                                     loader: ScriptedLoader) -> None:
+    """What Claude Code sends besides the conversation: accepted and ignored."""
+    loader.reply = "ok"
+    body = {"model": MODEL, "max_tokens": 32000, "messages": HI,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2"},
+                       {"type": "text", "text": "You are Claude Code.",
+                        "cache_control": {"type": "ephemeral"}}],
+            "thinking": {"type": "adaptive"},
+            "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "s"})},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                              "keep": "all"}]},
+            "output_config": {"effort": "high"}}
+    headers = {"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,"
+                                 "context-management-2025-06-27",
+               "anthropic-version": "2023-06-01"}
+    r = http.post("/v1/messages?beta=true", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] == [{"type": "text", "text": "ok"}]
+    assert loader.last_prompt.endswith("<|im_start|>assistant\n")  # adaptive: thinking on
 
 
 # -- streaming --------------------------------------------------------------------

@@ -294,7 +294,7 @@ def test_openais_model_and_voice_names_speak_with_the_starter_voice(
 
 def test_a_missing_espeak_ng_is_a_load_error_naming_the_package(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxd.engines.tts_piper import PiperBackend
+    from mlxd.engines.audio.tts_piper import PiperBackend
     from mlxd.models.catalog import local_path_of
 
     folder = local_path_of(STARTER_TTS, Path("/nonexistent"))

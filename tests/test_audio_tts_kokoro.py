@@ -41,8 +41,8 @@ def kokoro_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_patch_lives_only_while_a_kokoro_model_is_loaded(kokoro_dir: Path) -> None:
     from mlx_audio.tts.models.kokoro.istftnet import ConvWeighted
 
-    from mlxd.engines.audio_patches import kokoro_conv, registry
-    from mlxd.engines.tts_mlx_audio import MlxAudioBackend
+    from mlxd.engines.audio.patches import kokoro_conv, registry
+    from mlxd.engines.audio.tts_mlx_audio import MlxAudioBackend
 
     # First in this module: no engine of it holds the patch yet.
     assert registry().active() == []
@@ -59,7 +59,7 @@ def test_the_patch_lives_only_while_a_kokoro_model_is_loaded(kokoro_dir: Path) -
 
 @pytest.fixture(scope="module")
 def engine(kokoro_dir: Path) -> Iterator[object]:
-    from mlxd.engines.tts import TTSEngine
+    from mlxd.engines.audio.tts import TTSEngine
 
     worker = ModelWorker("tiny-kokoro")
     worker.start()
@@ -136,7 +136,7 @@ def test_a_long_sentence_is_cut_to_the_context_and_the_voice_row_stays_in_range(
 
 
 def test_other_mlx_audio_families_are_refused_with_a_clear_error(tmp_path: Path) -> None:
-    from mlxd.engines.tts_mlx_audio import MlxAudioBackend
+    from mlxd.engines.audio.tts_mlx_audio import MlxAudioBackend
 
     (tmp_path / "config.json").write_text('{"model_type": "bark"}')
     with pytest.raises(ModelLoadError, match="kokoro"):
@@ -148,7 +148,7 @@ def test_other_mlx_audio_families_are_refused_with_a_clear_error(tmp_path: Path)
 def test_patched_convolutions_equal_mlx_on_the_models_own_layers(engine: object) -> None:
     from mlx_audio.tts.models.kokoro.istftnet import ConvWeighted
 
-    from mlxd.engines.audio_patches import registry
+    from mlxd.engines.audio.patches import registry
 
     assert "kokoro-cpu-conv-matmul" in registry().active()
     patched = ConvWeighted.__call__

@@ -96,7 +96,7 @@ def test_serial_mode_gives_the_same_answers(tiny_model_b: Path, test_home: Path,
 def test_a_failing_request_does_not_end_the_others(batch_server: RunningServer) -> None:
     """A logits processor that raises (a fault injected on purpose: no HTTP request can
     cause one) fails only its own sequence; the rest of the batch goes on."""
-    from mlxd.engines.scheduler import AsyncQueueSink, Sequence
+    from mlxd.engines.text.scheduler import AsyncQueueSink, Sequence
 
     engine = batch_server.ctx.manager.get("m").engine
 

@@ -75,7 +75,7 @@ def test_only_the_serve_command_itself_is_re_executed() -> None:
 
 
 PROBE = ("import mlx.core as mx, numpy; from mlxd.blas import sgemm_provider, fast_sgemm; "
-         "from mlxd.engines.speculative import SpeculativeOptions as S; "
+         "from mlxd.engines.text.speculative import SpeculativeOptions as S; "
          "print(sgemm_provider(), fast_sgemm(), S().enabled, S(mode='off').enabled, "
          "S(mode='prompt-lookup').enabled)")
 

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache
 from openai import OpenAI
 
 from mlxd.config import ServerConfig
-from mlxd.engines.prefix_cache import PrefixCache
+from mlxd.engines.text.prefix_cache import PrefixCache
 from tests.helpers.server import RunningServer, running_server
 
 MODEL = "tiny"

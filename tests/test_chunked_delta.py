@@ -1,4 +1,4 @@
-"""The chunked gated delta rule (engines/chunked_delta.py) equals mlx-lm's per-token
+"""The chunked gated delta rule (engines/kernels/chunked_delta.py) equals mlx-lm's per-token
 loop, and hybrid models use it for prefill on CPU."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import gated_delta
 
-from mlxd.engines.chunked_delta import CHUNK, MIN_TOKENS, cpu_gated_delta_update
-from mlxd.engines.prefill import on_cpu
+from mlxd.engines.kernels.chunked_delta import CHUNK, MIN_TOKENS, cpu_gated_delta_update
+from mlxd.engines.kernels.prefill import on_cpu
 
 pytestmark = pytest.mark.skipif(not on_cpu(), reason="the chunked path is for CPU")
 
@@ -123,7 +123,7 @@ def test_a_hybrid_model_prefills_through_the_chunked_rule(
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    from mlxd.engines import chunked_delta, prefill
+    from mlxd.engines.kernels import chunked_delta, prefill
 
     model = load(str(tiny_qwen3_next))[0]
     module = sys.modules[type(model).__module__]

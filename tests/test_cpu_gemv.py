@@ -1,4 +1,4 @@
-"""Few-row float32 matmuls through BLAS's sgemv on CPU (mlxd/engines/cpu_gemv.py).
+"""Few-row float32 matmuls through BLAS's sgemv on CPU (mlxd/engines/kernels/cpu_gemv.py).
 
 The path exists where MLX's matmuls run on a BLAS whose symbols the process can see: the
 OpenBLAS ``mlxd serve`` preloads. A test process has MLX's own (hidden) reference BLAS, so
@@ -19,8 +19,8 @@ import mlx.nn as nn
 import pytest
 
 from mlxd.blas import find_openblas, preload_env
-from mlxd.engines import cpu_gemv
-from mlxd.engines.cpu_gemv import (
+from mlxd.engines.kernels import cpu_gemv
+from mlxd.engines.kernels.cpu_gemv import (
     MAX_ROWS,
     CpuGemvEmbedding,
     CpuGemvLinear,

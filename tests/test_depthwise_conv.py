@@ -1,4 +1,4 @@
-"""Depthwise convolutions as shifted products (engines/depthwise_conv.py) equal MLX's
+"""Depthwise convolutions as shifted products (engines/kernels/depthwise_conv.py) equal MLX's
 ``conv1d``, and the hybrid models that use them give the same logits."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlxd.engines.depthwise_conv import (
+from mlxd.engines.kernels.depthwise_conv import (
     CpuDepthwiseConv1d,
     depthwise_conv1d,
     install_cpu_depthwise_conv,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from mlxd.engines.token_batcher import (
+from mlxd.engines.encoders.token_batcher import (
     CPU_PADDING,
     GPU_PADDING,
     Encoded,
@@ -128,7 +128,7 @@ def test_rational_gelu_matches_the_exact_gelu() -> None:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlxd.engines.activations import RationalGELU, gelu_rational
+    from mlxd.engines.kernels.activations import RationalGELU, gelu_rational
 
     x = mx.linspace(-20.0, 20.0, 100_001)
     assert float(mx.abs(gelu_rational(x) - nn.gelu(x)).max().item()) < 2e-6  # type: ignore[arg-type]
@@ -138,7 +138,7 @@ def test_rational_gelu_matches_the_exact_gelu() -> None:
 def test_fast_gelu_replaces_only_exact_gelu_modules() -> None:
     import mlx.nn as nn
 
-    from mlxd.engines.activations import RationalGELU, use_fast_gelu
+    from mlxd.engines.kernels.activations import RationalGELU, use_fast_gelu
 
     class Block(nn.Module):
         def __init__(self) -> None:

@@ -14,8 +14,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from mlxd.engines.gapped_cache import GappedBatchKVCache, drop_rows
-from mlxd.engines.speculative import rewind_rows
+from mlxd.engines.text.gapped_cache import GappedBatchKVCache, drop_rows
+from mlxd.engines.text.speculative import rewind_rows
 
 PROMPTS = [[5, 9, 14, 3, 7, 21], [8, 2], [30, 31, 32, 33]]
 

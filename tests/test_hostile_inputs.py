@@ -124,7 +124,7 @@ BROKEN_SAMPLER, BROKEN_SETUP = 1001, 1002  # top_k values that select an injecte
 @pytest.fixture
 def faults(monkeypatch: pytest.MonkeyPatch) -> None:
     """Faults no HTTP request can cause any more, injected into the real scheduler."""
-    from mlxd.engines import scheduler
+    from mlxd.engines.text import scheduler
 
     real = scheduler.build_sampler
 

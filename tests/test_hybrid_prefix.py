@@ -31,8 +31,8 @@ def hybrid(request: pytest.FixtureRequest, session_dir: Path, tiny_model: Path) 
 def _decode(model: Any, prompts: list[list[int]], caches: list[Any], prefill_batch: int,
             max_tokens: int = 10) -> list[list[int]]:
     """Greedy tokens for ``prompts`` decoded together; ``caches[i]`` = (cache, n_cached)."""
-    from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
-    from mlxd.engines.sampling import greedy
+    from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
+    from mlxd.engines.text.sampling import greedy
 
     decoder = LMBatchDecoder(model, eos_ids=[], max_num_seqs=8, prefill_step_size=64,
                              prefill_batch_size=prefill_batch)
@@ -53,7 +53,7 @@ def test_batched_equals_alone(hybrid: Path) -> None:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    from mlxd.engines.hybrid_cache import prefill, prefill_batch_size, snapshot
+    from mlxd.engines.text.hybrid_cache import prefill, prefill_batch_size, snapshot
 
     model, _, config = load(str(hybrid), return_config=True)
     batch = prefill_batch_size(config["model_type"], make_prompt_cache(model), 8)

@@ -1,4 +1,4 @@
-"""Admission by live KV (engines/kv_admission.py): under a small memory budget a request
+"""Admission by live KV (engines/text/kv_admission.py): under a small memory budget a request
 that can never fit is refused with the numbers, long requests sent together all
 complete while the newest are preempted and resumed, the engine's own live-KV count
 never exceeds its allowance, and a preempted sequence answers exactly as it would have
@@ -113,7 +113,7 @@ def test_preempted_sequence_answers_as_if_uninterrupted(
     target = prompt_of(42, words=25)  # a prompt length none of the others has
     alone, alone_reason, n_prompt = complete_usage(busy_server, target)
     before = kv_metrics(busy_server)
-    caplog.set_level(logging.INFO, logger="mlxd.engines.scheduler")
+    caplog.set_level(logging.INFO, logger="mlxd.engines.text.scheduler")
     # three older requests grow until the newest, the target, must make room
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         fillers = [pool.submit(complete, busy_server, prompt_of(i)) for i in range(3)]

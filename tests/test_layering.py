@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -204,9 +205,144 @@ def test_named_arrows_stay_removed() -> None:
 
 def test_schedulers_and_prompt_preparation_do_not_know_the_decoding_library() -> None:
     """Text and vision engines share the schedulers and the input processor: only the
-    decoder implementations (``engines/mlx_lm_decoder.py``, ...) import mlx-lm or mlx-vlm."""
+    decoder implementations (``engines/text/mlx_lm_decoder.py``, ...) import mlx-lm or mlx-vlm."""
     shared = ("scheduler.py", "decoder.py", "input_processor.py")
     offenders = [f"{name}: {n}" for name in shared
-                 for n in _imports(PACKAGE / "engines" / name)
+                 for n in _imports(PACKAGE / "engines" / "text" / name)
                  if n.split(".")[0] in ("mlx_lm", "mlx_vlm")]
+    assert offenders == []
+
+
+# Inside engines/, highest first: the composition modules pick engine classes; the
+# families are peers that build on the text core (vision, distributed) and the kernels,
+# never on each other; the upstream adapters and the protocols are at the bottom.
+ENGINE_RANKS: dict[str, int] = {
+    "factory": 7,  # builds the loader over the registry
+    "registry": 6, "mlx_convert": 6,
+    "vision": 5, "audio": 5, "encoders": 5, "distributed": 5,
+    "text": 4,
+    "kernels": 3,
+    "upstream": 2,
+    "base": 1, "device": 1,
+    "engines": 0,  # the package's __init__
+}
+
+
+def _runtime_imports_of_source(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Like ``_imports_of_source`` without the ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        for field in ("body", "orelse"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                setattr(node, field, [s for s in block if not (
+                    isinstance(s, ast.If) and "TYPE_CHECKING" in ast.unparse(s.test))] or
+                    [ast.Pass()])
+    return _imports_of_source(ast.unparse(tree), module, is_package)
+
+
+def _engine_part(module: str) -> str | None:
+    """``mlxd.engines.text.scheduler`` -> ``text``; None outside engines/."""
+    parts = module.split(".")
+    if parts[:2] != ["mlxd", "engines"]:
+        return None
+    return parts[2] if len(parts) > 2 else "engines"
+
+
+def test_every_engines_module_has_a_rank() -> None:
+    parts = {_engine_part(_module_of(p)) for p in (PACKAGE / "engines").rglob("*.py")}
+    assert parts - set(ENGINE_RANKS) == set(), "place it in ENGINE_RANKS (and CONTRIBUTING.md)"
+
+
+def test_engine_families_use_the_text_core_and_the_adapters_never_each_other() -> None:
+    """factory > registry | mlx_convert > vision | audio | encoders | distributed > text > kernels >
+    upstream > base | device. ``base.py`` names family value types for type checking
+    only: those imports do not count."""
+    offenders = []
+    for path in (PACKAGE / "engines").rglob("*.py"):
+        module = _module_of(path)
+        own = _engine_part(module)
+        assert own is not None
+        names = (_runtime_imports_of_source(path.read_text(), module, path.name == "__init__.py")
+                 if own == "base" else _imports(path))
+        for name in names:
+            part = _engine_part(name)
+            if part is None or part == own:
+                continue
+            if ENGINE_RANKS[part] >= ENGINE_RANKS[own]:
+                offenders.append(f"{path.relative_to(PACKAGE)} ({own}) imports {name} ({part})")
+    assert sorted(offenders) == []
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every mlxd module -> the mlxd modules it imports (``from pkg import mod`` counts
+    as importing ``pkg.mod``; lazy and TYPE_CHECKING imports included)."""
+    paths = {_module_of(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        tree = ast.parse(path.read_text())
+        names = _imports(path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names |= {f"{node.module}.{a.name}" for a in node.names}
+        graph[module] = {n for n in names if n in paths and n != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """No two modules import each other, directly or around a loop, not even lazily or for
+    type checking only: a cycle means the two belong together or a shared part belongs
+    below both (``shared_prefix.Sequence``, ``audio/speech_backend.py``,
+    ``models/file_hasher.py``)."""
+    assert _cycles(_module_graph()) == []
+
+
+def test_cycle_check_sees_a_lazy_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_managers_private_state_is_read_outside_models_only_through_methods() -> None:
+    """``ctx.manager._aliases`` and the like: a package's private state is read through a
+    public method (``ModelManager.aliases_of``), not across packages."""
+    pattern = re.compile(r"\b(?:ctx\.manager|manager|self\.manager)\._[a-z]")
+    offenders = [f"{p.relative_to(PACKAGE)}:{n}: {line.strip()}"
+                 for p in PACKAGE.rglob("*.py") if p.parent.name != "models"
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []

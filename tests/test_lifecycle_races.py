@@ -23,7 +23,7 @@ import pytest
 
 from mlxd.config import ServerConfig
 from mlxd.engines.factory import build_loader
-from mlxd.engines.prefix_cache import model_identity
+from mlxd.engines.text.prefix_cache import model_identity
 from mlxd.errors import ModelNotFound, Overloaded
 from mlxd.models.catalog import registration_for
 from mlxd.models.manager import ManagerPolicy, ModelManager
@@ -396,7 +396,7 @@ def test_an_encoder_whose_every_batch_fails_is_reported_broken() -> None:
     """Embedding/rerank batchers fail a batch's requests themselves; that counts too."""
     import numpy as np
 
-    from mlxd.engines.token_batcher import Encoded, TokenBatcher
+    from mlxd.engines.encoders.token_batcher import Encoded, TokenBatcher
     from mlxd.runtime.worker import ModelWorker
 
     failing = threading.Event()

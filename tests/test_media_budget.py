@@ -169,7 +169,7 @@ def test_images_far_larger_than_the_processor_uses_are_scaled_to_twice_that(
         session_dir: Path, family: str, big: tuple[int, int], kept: tuple[int, int]) -> None:
     from mlx_vlm import load
 
-    from mlxd.engines.vlm_input import decode_image, processor_fit
+    from mlxd.engines.vision.input import decode_image, processor_fit
     from mlxd.media.types import ImageInput
     from tests.helpers.tiny_vlm import build_tiny_vlm
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from mlxd.engines.vlm_input import decode_image
+from mlxd.engines.vision.input import decode_image
 from mlxd.media.limits import MediaLimits
 from mlxd.media.resolve import resolve_media
 from tests.helpers.media_samples import data_url, image, image_part, video, video_part

@@ -208,7 +208,7 @@ def test_reload_builds_a_fresh_engine_tokenizer_and_parsers(
     """A reload re-derives the tokenizer, the reasoning and tool-call parsers and each
     request's detokenizer from the files as they are now (here: a tokenizer swapped on disk
     for one with <think> markers and a Mistral-style template while unloaded)."""
-    import mlxd.engines.text as text_engine
+    import mlxd.engines.text.engine as text_engine
 
     detoks: list[Any] = []
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from mlxd.engines.tool_parsers import TOOL_PARSERS, detect_tool_format, tool_call_format
+from mlxd.engines.text.tool_parsers import TOOL_PARSERS, detect_tool_format, tool_call_format
 from mlxd.generation.reasoning import REASONING_PARSERS, ReasoningFormat, reasoning_format
 from mlxd.generation.registry import NamedRegistry
 from mlxd.generation.tools import BUILTIN_TOOL_PARSERS
@@ -40,7 +40,7 @@ def test_backend_free_registry_holds_only_our_json_formats() -> None:
     assert all(f.parse.__module__ == "mlxd.generation.tools"
                for f in BUILTIN_TOOL_PARSERS.values())
     assert TOOL_PARSERS["hermes"] is BUILTIN_TOOL_PARSERS["hermes"]
-    assert TOOL_PARSERS["mistral"].parse.__module__ == "mlxd.engines.tool_parsers"
+    assert TOOL_PARSERS["mistral"].parse.__module__ == "mlxd.engines.text.tool_parsers"
 
 
 def test_generation_parsers_work_without_loading_mlx_lm() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mlxd.engines.tool_parsers import TOOL_PARSERS
+from mlxd.engines.text.tool_parsers import TOOL_PARSERS
 from mlxd.generation.detokenizer import IncrementalDetokenizer
 from mlxd.generation.events import Finish, ReasoningDelta, TextDelta, ToolCall
 from mlxd.generation.params import ToolSpec

@@ -1,4 +1,4 @@
-"""CPU prefill path (engines/prefill.py): the NumPy attention and base-2 SwiGLU equal
+"""CPU prefill path (engines/kernels/prefill.py): the NumPy attention and base-2 SwiGLU equal
 mlx-lm's, the served model uses them and prefills in short chunks, with unchanged
 greedy tokens."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxd.engines.prefill import CPU_PREFILL_CHUNK, base2_swiglu, host_attention, on_cpu
+from mlxd.engines.kernels.prefill import CPU_PREFILL_CHUNK, base2_swiglu, host_attention, on_cpu
 
 pytestmark = pytest.mark.skipif(not on_cpu(), reason="the CPU prefill path only runs on CPU")
 
@@ -48,7 +48,7 @@ def test_base2_silu_and_precise_swiglu_equal_mlx_over_prefill_chunks_only() -> N
     import mlx.nn as nn
     from mlx_lm.models.activations import precise_swiglu
 
-    from mlxd.engines.prefill import (
+    from mlxd.engines.kernels.prefill import (
         MIN_QUERY_TOKENS,
         _cpu_precise_swiglu,
         _cpu_silu,
@@ -89,7 +89,7 @@ def test_a_hybrid_models_nn_is_mlx_nn_with_silu_changed_and_restored(
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    from mlxd.engines import prefill
+    from mlxd.engines.kernels import prefill
     from tests.helpers.tiny_hybrids import build_hybrid
 
     folder = build_hybrid(Path(str(tmp_path)) / "h", "qwen3_next", tiny_model)  # type: ignore[arg-type]
@@ -125,7 +125,7 @@ def test_served_model_prefills_in_short_chunks_with_the_same_tokens(
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxd.engines import prefill
+    from mlxd.engines.kernels import prefill
 
     with tiny_server.client() as http:  # type: ignore[attr-defined]
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
@@ -154,7 +154,7 @@ def test_the_cpu_path_is_reference_counted_and_undone_on_the_last_unload(
     from mlx_lm.models import activations, base
     from mlx_lm.utils import load
 
-    from mlxd.engines import prefill
+    from mlxd.engines.kernels import prefill
 
     model, _ = load(str(tiny_model))[:2]
     module = sys.modules[type(model).__module__]
@@ -188,7 +188,7 @@ import json, sys
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 from mlx_lm.utils import load
-from mlxd.engines import prefill
+from mlxd.engines.kernels import prefill
 
 def threads():
     return [i["num_threads"] for i in threadpool_info() if "scipy_openblas" in i["prefix"]]
@@ -216,7 +216,7 @@ def test_an_unchecked_mlx_lm_whose_attention_differs_keeps_its_own(
         tiny_model: object, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlx_lm.utils import load
 
-    from mlxd.engines import prefill
+    from mlxd.engines.kernels import prefill
 
     model, _ = load(str(tiny_model))[:2]
     monkeypatch.setattr(prefill, "CHECKED_MLX_LM", ())

@@ -21,8 +21,8 @@ import mlx.core as mx
 import pytest
 
 from mlxd.config import ServerConfig
-from mlxd.engines.input_processor import MediaItem
-from mlxd.engines.prefix_cache import PrefixCache
+from mlxd.engines.text.input_processor import MediaItem
+from mlxd.engines.text.prefix_cache import PrefixCache
 from mlxd.generation.events import Finish
 from mlxd.generation.params import GenerationRequest, SamplingParams
 from tests.helpers.server import RunningServer, running_server

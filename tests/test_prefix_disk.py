@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier (engines/prefix_disk.py): an entry the RAM cache evicts
+"""The prefix cache's disk tier (engines/text/prefix_disk.py): an entry the RAM cache evicts
 is written to disk and read back when its prompt returns, across a restart too; a
 corrupt file or one another model wrote is skipped with a log line, never served."""
 
@@ -78,7 +78,7 @@ def test_evicted_entries_go_to_disk_and_come_back(tiny_model: Path, tmp_path: Pa
             data.write_bytes(bytes(raw))
         else:
             side.write_text(json.dumps({**info, "model_identity": "another-model"}))
-    caplog.set_level(logging.WARNING, logger="mlxd.engines.prefix_disk")
+    caplog.set_level(logging.WARNING, logger="mlxd.engines.text.prefix_disk")
     with running_server(cfg) as srv, srv.client() as http:
         corrupt_a = complete(http, PROMPT_A)
         foreign_b = complete(http, PROMPT_B)

@@ -67,7 +67,7 @@ def _reference_logits(folder: Path, pairs: list[tuple[str, str]], max_length: in
 
 def _engine_run(folder: Path, pairs: list[tuple[str, str]]) -> tuple[Any, np.ndarray, list[Any]]:
     """Load a RerankEngine on its own worker; logits of ``pairs`` through its batcher."""
-    from mlxd.engines.rerank import RerankEngine
+    from mlxd.engines.encoders.rerank import RerankEngine
     from mlxd.runtime.worker import ModelWorker
 
     worker = ModelWorker("rerank-test")
@@ -110,7 +110,7 @@ def test_rerank_forward_matches_transformers(cross_encoders: dict[str, Path], na
 
 def test_unsupported_activation_is_a_clear_load_error(cross_encoders: dict[str, Path],
                                                       tmp_path: Path) -> None:
-    from mlxd.engines.rerank import RerankEngine
+    from mlxd.engines.encoders.rerank import RerankEngine
     from mlxd.errors import ModelLoadError
     from mlxd.runtime.worker import ModelWorker
 
@@ -129,7 +129,7 @@ def test_unsupported_activation_is_a_clear_load_error(cross_encoders: dict[str, 
 def test_unsupported_architecture_is_a_clear_load_error(tmp_path: Path) -> None:
     import json
 
-    from mlxd.engines.cross_encoder import UnsupportedCrossEncoder, load_cross_encoder
+    from mlxd.engines.encoders.cross_encoder import UnsupportedCrossEncoder, load_cross_encoder
 
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "deberta-v2", "architectures": ["DebertaV2ForSequenceClassification"]}))

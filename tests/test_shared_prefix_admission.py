@@ -1,5 +1,5 @@
 """Concurrent conversations sharing a system prompt: the first prefills it, the others
-wait for its state in the prefix cache and resume from it (engines/shared_prefix.py),
+wait for its state in the prefix cache and resume from it (engines/text/shared_prefix.py),
 with the same greedy tokens as cold runs; on an attention model and a hybrid one."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from mlxd.config import ServerConfig
-from mlxd.engines.shared_prefix import common_prefix
+from mlxd.engines.text.shared_prefix import common_prefix
 from mlxd.generation.events import Finish, TextDelta
 from mlxd.generation.params import GenerationRequest, SamplingParams
 from tests.helpers.server import running_server
@@ -47,7 +47,7 @@ def engine(request: pytest.FixtureRequest, tiny_model: Path, session_dir: Path,
 
 def _run_together(engine: Any, requests: list[GenerationRequest]) -> list[tuple[str, Finish]]:
     """Submit every request while the worker is held, so all are queued at its next step."""
-    from mlxd.engines.scheduler import AsyncQueueSink, Sequence
+    from mlxd.engines.text.scheduler import AsyncQueueSink, Sequence
 
     async def main() -> list[tuple[str, Finish]]:
         prepared = [await engine.prepare(r) for r in requests]

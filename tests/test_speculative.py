@@ -16,10 +16,10 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
-from mlxd.engines.sampling import build_sampler
-from mlxd.engines.speculative import PromptLookup, RowState, SpeculativeOptions
-from mlxd.engines.structured import GrammarTokenizer
+from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
+from mlxd.engines.text.sampling import build_sampler
+from mlxd.engines.text.speculative import PromptLookup, RowState, SpeculativeOptions
+from mlxd.engines.text.structured import GrammarTokenizer
 from mlxd.generation.params import SamplingParams
 from tests.helpers.decoding import run_jobs
 
@@ -336,7 +336,7 @@ def test_a_step_where_every_row_ends_runs_no_forward(tiny_lm: tuple[Any, Any],
     the finished row's cache covers exactly the tokens it reports."""
     from types import SimpleNamespace
 
-    from mlxd.engines.sampling import greedy
+    from mlxd.engines.text.sampling import greedy
 
     model, tok = tiny_lm
     counting = _CountingModel(model)
@@ -366,7 +366,7 @@ def test_a_step_where_every_row_ends_runs_no_forward(tiny_lm: tuple[Any, Any],
 def test_a_verify_step_runs_only_where_the_drafts_pay_for_the_wider_forward() -> None:
     """``verify_width``: verifying m drafts a row costs ``1 + cost * rows * m`` plain steps
     and yields about ``rate * min(draft, m)`` more tokens a row."""
-    from mlxd.engines.speculative import CPU_VERIFY_COST, verify_width
+    from mlxd.engines.text.speculative import CPU_VERIFY_COST, verify_width
 
     cost = CPU_VERIFY_COST
     assert verify_width([8], [1.0], cost) == 8  # one stream copying: every draft
@@ -388,7 +388,7 @@ def test_a_verify_step_runs_only_where_the_drafts_pay_for_the_wider_forward() ->
 def test_a_sequence_judged_not_worth_verifying_is_retried_later() -> None:
     """A low acceptance rate keeps a batch from verifying a sequence's drafts; each such
     step moves its rate back toward the prior, so a copy that starts later is tried."""
-    from mlxd.engines.speculative import (
+    from mlxd.engines.text.speculative import (
         CPU_VERIFY_COST,
         PRIOR_ACCEPTANCE,
         RATE_RECOVERY,

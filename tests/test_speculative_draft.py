@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (``--draft-model``, ``engines/draft.py``).
+"""Speculative decoding with a draft model (``--draft-model``, ``engines/text/draft.py``).
 
 Exactness is checked against the same decoder with speculation off, on real tiny
 models: the target as its own draft, and a different random model with the same
@@ -17,11 +17,11 @@ import mlx.core as mx
 import pytest
 
 from mlxd.config import ServerConfig
-from mlxd.engines.draft import DraftModel, DraftModelError, load_draft_model, rejection_rule
-from mlxd.engines.mlx_lm_decoder import LMBatchDecoder
-from mlxd.engines.prompt_limits import vocab_bound
-from mlxd.engines.sampling import build_sampler
-from mlxd.engines.speculative import SpeculativeOptions
+from mlxd.engines.text.draft import DraftModel, DraftModelError, load_draft_model, rejection_rule
+from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
+from mlxd.engines.text.prompt_limits import vocab_bound
+from mlxd.engines.text.sampling import build_sampler
+from mlxd.engines.text.speculative import SpeculativeOptions
 from mlxd.generation.params import SamplingParams
 from mlxd.models.catalog import (
     CatalogError,
@@ -148,7 +148,7 @@ def test_grammar_rejects_drafts_it_forbids(target: tuple[Any, Any]) -> None:
     are refused, rejected, and the constrained output equals decoding without drafts."""
     from llguidance import LLMatcher
 
-    from mlxd.engines.structured import GrammarTokenizer
+    from mlxd.engines.text.structured import GrammarTokenizer
 
     model, tok = target
     grammar = GrammarTokenizer(tok.backend_tokenizer, model.args.vocab_size,

@@ -20,7 +20,7 @@ import anthropic
 import pytest
 from openai import OpenAI
 
-from mlxd.engines.tool_parsers import TOOL_PARSERS
+from mlxd.engines.text.tool_parsers import TOOL_PARSERS
 from mlxd.generation.detokenizer import IncrementalDetokenizer
 from mlxd.generation.events import Finish, TextDelta, ToolCall
 from mlxd.generation.params import ToolSpec

@@ -41,7 +41,7 @@ def test_newer_transformers_names_convert_like_the_earlier_ones(session_dir: Pat
     from mlx_vlm import load
 
     from mlxd.engines.mlx_convert import run_converter
-    from mlxd.engines.vlm_convert import uses_new_names
+    from mlxd.engines.vision.convert import uses_new_names
     from tests.helpers.tiny_vlm import build_tiny_vlm
 
     root = session_dir / "tiny-vlm"

@@ -15,8 +15,8 @@ pytest.importorskip("mlx_vlm")
 
 
 def load_engine(path: Path) -> Any:
-    from mlxd.engines.text import TextEngineOptions
-    from mlxd.engines.vision import MLXMultimodalLM
+    from mlxd.engines.text.engine import TextEngineOptions
+    from mlxd.engines.vision.engine import MLXMultimodalLM
     from mlxd.runtime.worker import ModelWorker
 
     engine = MLXMultimodalLM(path.name, path, ModelWorker(path.name),
@@ -29,7 +29,7 @@ def test_llava_patches_live_only_while_llava_is_loaded(tiny_vlms: dict[str, Path
     from mlx_vlm.models.llava.llava import Model
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    from mlxd.engines.vlm_patches import registry
+    from mlxd.engines.vision.patches import registry
 
     merge = Model.__dict__["_merge_input_ids_with_image_features"]
     missing = object()
@@ -52,13 +52,13 @@ def test_llava_patches_live_only_while_llava_is_loaded(tiny_vlms: dict[str, Path
 
 
 def test_merge_patch_keeps_each_rows_image() -> None:
-    from mlxd.engines.vlm_patches import llava_merge
+    from mlxd.engines.vision.patches import llava_merge
 
     assert llava_merge.self_check()  # upstream still mixes rows up; ours does not
 
 
 def test_unknown_version_with_a_failing_self_check_refuses_the_model() -> None:
-    from mlxd.engines.vlm_patches import Patch, PatchRegistry
+    from mlxd.engines.vision.patches import Patch, PatchRegistry
     from mlxd.errors import ModelLoadError
 
     class Owner:

@@ -28,8 +28,8 @@ def inputs(session_dir: Path) -> Any:
     from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from mlx_vlm.utils import load
 
-    from mlxd.engines.input_processor import InputLimits
-    from mlxd.engines.vlm_input import VisionInputProcessor
+    from mlxd.engines.text.input_processor import InputLimits
+    from mlxd.engines.vision.input import VisionInputProcessor
     from tests.helpers.tiny_vlm import build_tiny_vlm
 
     root = session_dir / "tiny-vlm"  # shared with tests/test_vision_families.py

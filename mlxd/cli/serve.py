@@ -40,6 +40,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--log-repeat-interval", "log_repeat_interval", {
         "type": float, "help": "repeated connection errors are logged once per this many "
                                "seconds, with a count (default 10)"}),
+    ("--keepalive-interval", "keepalive_interval", {
+        "type": float, "help": "seconds of silence after which a streaming text response "
+                               "sends a keep-alive event (default 5)"}),
     ("--cors-origins", "cors_origins", {"type": _csv,
                                         "help": "comma-separated origins allowed to call the "
                                                 "API from a browser (default none)"}),

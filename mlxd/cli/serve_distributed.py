@@ -3,7 +3,7 @@
 Run by a person, ``mlxd serve --hosts H`` runs ``mlx.launch``, which starts
 ``mlxd serve`` once per rank (``MLX_RANK`` set). Rank 0 goes on to serve HTTP
 with text models sharded over the group; the other ranks follow
-(``engines/distributed_follower.py``) and never open an HTTP port. The launcher
+(``engines/distributed/follower.py``) and never open an HTTP port. The launcher
 exits non-zero when any rank did: ``mlx.launch`` itself exits 0 whatever its
 ranks did (mlx 0.32), so their statuses are read from the line it prints for
 each rank that fails.
@@ -73,7 +73,7 @@ def start_rank(config: ServerConfig, argv: list[str]) -> int | None:
         return run_launcher(cmd)
     if rank == 0:
         return None
-    from mlxd.engines.distributed_follower import run_follower
+    from mlxd.engines.distributed.follower import run_follower
 
     options = group_options(config)
     assert options is not None
@@ -83,6 +83,6 @@ def start_rank(config: ServerConfig, argv: list[str]) -> int | None:
 def sharded_engines() -> Mapping[ModelKind, EngineSpec]:
     """The engine table of rank 0: text models are sharded over the group."""
     table = dict(ENGINES)
-    table[ModelKind.TEXT] = EngineSpec("mlxd.engines.distributed:ShardedLanguageModel", None,
+    table[ModelKind.TEXT] = EngineSpec("mlxd.engines.distributed.sharded:ShardedLanguageModel", None,
                                        "text")
     return MappingProxyType(table)

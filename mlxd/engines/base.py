@@ -3,12 +3,11 @@
 A route leases a model through its family (``manager.acquire(name, CHAT)``)
 and gets a ``ModelLease[TextGenerator]``: the type checker then holds it to
 the family's protocol, never to one engine's attributes. Which engine class
-serves which kind is ``engines/registry.py``'s table.
+serves which kind is each kind's ``KindSpec`` (``models/kinds.py``), read by
+``engines/registry.py``.
 
 Nothing here imports MLX or an engine module (the HTTP layer imports this
 file); the value types the protocols name are imported for type checking only.
-The speech families have no engine yet: their protocols and value types say
-what the OpenAI audio endpoints will need of one.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from mlxd.models.spec import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from mlxd.engines.input_processor import PreparedPrompt
-    from mlxd.engines.token_batcher import Encoded
+    from mlxd.engines.encoders.token_batcher import Encoded
+    from mlxd.engines.text.input_processor import PreparedPrompt
     from mlxd.generation.events import Event, TokenLogprob
     from mlxd.generation.params import GenerationRequest
 

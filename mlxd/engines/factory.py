@@ -45,8 +45,8 @@ class EngineFactory:
         return engine_class(entry.name, path, worker, options)
 
     def text_options(self, entry: ModelEntry) -> Any:
-        from mlxd.engines.speculative import SpeculativeOptions
-        from mlxd.engines.text import TextEngineOptions
+        from mlxd.engines.text.engine import TextEngineOptions
+        from mlxd.engines.text.speculative import SpeculativeOptions
 
         cfg, d = self.config, entry.defaults
         safe_name = entry.name.replace("/", "--")

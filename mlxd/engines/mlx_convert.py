@@ -28,7 +28,7 @@ def run_converter(converter: str, src: Path, dest: Path, *, dtype: str,
         if converter == "mlx-vlm":
             from mlx_vlm import convert as vlm_convert
 
-            from mlxd.engines.vlm_convert import legacy_names
+            from mlxd.engines.vision.convert import legacy_names
 
             if q_mode is not None:
                 kwargs.update(q_bits=q_bits or 4, q_group_size=q_group_size or 64)

@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from mlxd.errors import ModelLoadError
+from mlxd.models.kinds import KINDS
 from mlxd.models.spec import ModelKind
 
 if TYPE_CHECKING:
@@ -58,23 +59,18 @@ EXTRA_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "audio": ("mlx_whisper", "mlx_audio", "av", "onnxruntime"),
 })
 
+# Each kind's engine, extra and options come from its KindSpec (models/kinds.py).
 ENGINES: Mapping[ModelKind, EngineSpec] = MappingProxyType({
-    ModelKind.TEXT: EngineSpec("mlxd.engines.text:MLXLanguageModel", None, "text"),
-    ModelKind.EMBEDDING: EngineSpec("mlxd.engines.embeddings:EmbeddingEngine", "embeddings"),
-    ModelKind.RERANK: EngineSpec("mlxd.engines.rerank:RerankEngine", "embeddings"),
-    ModelKind.VISION: EngineSpec("mlxd.engines.vision:MLXMultimodalLM", "vision", "text"),
-    ModelKind.STT: EngineSpec("mlxd.engines.stt:STTEngine", "audio"),
-    ModelKind.TTS: EngineSpec("mlxd.engines.tts:TTSEngine", "audio"),
-})
+    kind: EngineSpec(spec.engine, spec.extra, spec.options) for kind, spec in KINDS.items()})
 
 if TYPE_CHECKING:
     # mypy proves each engine class implements its family's protocol.
-    from mlxd.engines.embeddings import EmbeddingEngine
-    from mlxd.engines.rerank import RerankEngine
-    from mlxd.engines.stt import STTEngine
-    from mlxd.engines.text import MLXLanguageModel
-    from mlxd.engines.tts import TTSEngine
-    from mlxd.engines.vision import MLXMultimodalLM
+    from mlxd.engines.audio.stt import STTEngine
+    from mlxd.engines.audio.tts import TTSEngine
+    from mlxd.engines.encoders.embeddings import EmbeddingEngine
+    from mlxd.engines.encoders.rerank import RerankEngine
+    from mlxd.engines.text.engine import MLXLanguageModel
+    from mlxd.engines.vision.engine import MLXMultimodalLM
 
     _text: type[TextGenerator] = MLXLanguageModel
     _embedding: type[Embedder] = EmbeddingEngine

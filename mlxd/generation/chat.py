@@ -126,3 +126,25 @@ def with_tools_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[
         first["content"] = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
         return [first, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
+
+
+def late_system_indices(messages: list[dict[str, Any]]) -> list[int]:
+    """Positions of system messages that come after the conversation started (after the
+    first non-system message): Anthropic's mid-conversation system messages, OpenAI's
+    system or developer messages between turns."""
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    return [i for i in range(first, len(messages)) if messages[i]["role"] == "system"]
+
+
+def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Late system messages appended, in order, to the leading system message (created
+    when there is none), for chat templates that cannot render a system turn mid-way."""
+    late = late_system_indices(messages)
+    if not late:
+        return messages
+    texts = [content_text(messages[i]["content"]) for i in late]
+    rest = [m for i, m in enumerate(messages) if i not in set(late)]
+    lead = [m for m in rest if m["role"] == "system"]
+    body = [m for m in rest if m["role"] != "system"]
+    head = "\n\n".join([*(content_text(m["content"]) for m in lead), *texts])
+    return [{"role": "system", "content": head}, *body]

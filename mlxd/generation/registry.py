@@ -2,7 +2,7 @@
 
 A registry is filled while its modules are imported (decorators and ``add``
 calls at module level) and only read afterwards. A registry may extend others:
-``engines/tool_parsers.py`` adds the mlx-lm-backed tool parsers on top of the
+``engines/text/tool_parsers.py`` adds the mlx-lm-backed tool parsers on top of the
 backend-free ones here, so ``generation/`` never imports mlx-lm.
 """
 

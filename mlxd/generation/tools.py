@@ -3,7 +3,7 @@
 A format is registered by name and chosen with ``--tool-call-parser NAME`` or
 detected from the tokenizer. The JSON formats registered here are ours and
 backend-free (``BUILTIN_TOOL_PARSERS``); the formats mlx-lm already parses are
-wrapped, not rewritten, in ``mlxd/engines/tool_parsers.py``, whose registry
+wrapped, not rewritten, in ``mlxd/engines/text/tool_parsers.py``, whose registry
 extends this one (this layer never imports mlx-lm).
 """
 

@@ -23,8 +23,6 @@ from mlxd.media.audio_limits import AudioLimits
 log = logging.getLogger(__name__)
 
 WHISPER_RATE = 16_000
-# Digital silence: below this peak (about -80 dBFS) a recording holds no speech.
-SILENCE_PEAK = 1e-4
 
 
 @dataclass(frozen=True)
@@ -40,11 +38,6 @@ class DecodedAudio:
     @property
     def seconds(self) -> float:
         return len(self.samples) / self.sample_rate
-
-    def is_silent(self) -> bool:
-        """No sample above digital silence (nothing for a model to transcribe)."""
-        samples = self.samples  # the peak from max and min: abs() would copy the recording
-        return not samples.size or max(float(samples.max()), -float(samples.min())) < SILENCE_PEAK
 
 
 def _bad_file(reason: str) -> InvalidRequest:

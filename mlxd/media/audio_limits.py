@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxd.config import ServerConfig
-from mlxd.errors import InvalidRequest, PayloadTooLarge
+from mlxd.errors import InvalidRequest
 
 MiB = 1024 * 1024
 
@@ -34,14 +34,6 @@ class AudioLimits:
                    seconds=config.max_audio_seconds,
                    sample_rate=config.max_audio_sample_rate,
                    channels=config.max_audio_channels)
-
-    def check_upload_bytes(self, received: int) -> None:
-        """413 once more than ``upload_bytes`` of the file have arrived."""
-        if received > self.upload_bytes:
-            raise PayloadTooLarge(
-                f"The audio file is larger than this server's limit of {self.upload_bytes} "
-                "bytes (--max-audio-upload-bytes). Split the recording or compress it "
-                "(mp3, opus).", param="file", code="audio_too_large")
 
     def check_format(self, sample_rate: int, channels: int) -> None:
         """400 for a sample rate or channel count over the limits (from the header)."""

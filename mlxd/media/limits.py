@@ -82,7 +82,7 @@ class PixelBudget:
                 code="media_too_many_pixels")
 
 
-# What a vision engine holds while it prepares a prompt (engines/vlm_input.py): each image
+# What a vision engine holds while it prepares a prompt (engines/vision/input.py): each image
 # is decoded at full size (RGBA at most: 4 bytes a pixel) one at a time, then scaled down
 # to what its processor uses (Qwen2-VL's default 1280 x 28 x 28 pixels, kept at up to
 # twice each side), and the processor holds RGB, its own uint8 copy and float32 pixel

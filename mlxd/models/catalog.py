@@ -15,6 +15,7 @@ from typing import Any, cast
 
 from mlxd.config import ServerConfig
 from mlxd.models.detection import Detection, DetectionError, detect, kind_from_name
+from mlxd.models.file_hasher import FileHasher
 from mlxd.models.manager import ManagerPolicy, Registration
 from mlxd.models.memory import (
     MemoryEstimate,
@@ -25,7 +26,6 @@ from mlxd.models.memory import (
     weights_bytes_of_folder,
     with_draft,
 )
-from mlxd.models.qualification import FileHasher
 from mlxd.models.registry import RegistryData, RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind, validate_aliases
 from mlxd.models.starter import starter_entries

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.jsonfile import read_json_object
+from mlxd.models.kinds import KINDS
 from mlxd.models.spec import ModelKind
 from mlxd.sources.ct2_whisper import is_ctranslate2_whisper
 
@@ -26,8 +27,8 @@ TTS_MODEL_TYPES = {"kokoro", "csm", "sesame", "orpheus", "outetts", "spark", "ba
 ENCODER_MODEL_TYPES = {"bert", "roberta", "xlm-roberta", "xlm_roberta", "modernbert", "nomic_bert",
                        "distilbert", "electra", "deberta", "deberta-v2", "mpnet", "camembert",
                        "new", "gte", "jina_bert"}
-RERANK_MODEL_TYPES = {"bert", "roberta", "xlm-roberta", "xlm_roberta", "modernbert", "electra",
-                      "deberta", "deberta-v2", "distilbert", "camembert"}
+# the cross-encoders the rerank engine loads (models/kinds.py)
+RERANK_MODEL_TYPES = KINDS[ModelKind.RERANK].model_types or frozenset()
 VISION_CONFIG_KEYS = ("vision_config", "vision_tower", "mm_vision_tower", "visual",
                       "image_processor", "vision_encoder")
 
@@ -88,6 +89,11 @@ def classify_config(config: dict[str, Any], files: set[str] | None = None,
         if num_labels in (1, 2) and (model_type in RERANK_MODEL_TYPES or not model_type):
             return found(ModelKind.RERANK,
                          f"cross-encoder: {archs[0]} with {num_labels} label(s)")
+        if num_labels in (1, 2) and model_type in ENCODER_MODEL_TYPES:
+            raise DetectionError(
+                f"'{name or 'this model'}' is a {model_type} cross-encoder ({archs[0]}); the "
+                f"rerank engine loads {', '.join(sorted(RERANK_MODEL_TYPES))} cross-encoders "
+                "only.")
 
     checked.append("sentence-transformers files (modules.json, 1_Pooling)")
     st_files = {"modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"}

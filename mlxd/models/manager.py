@@ -120,7 +120,9 @@ class ModelManager:
         self._closing = False
         self._closed = asyncio.Event()  # set when shutdown begins: load waiters give up
         self.evictions = 0
-        self.transient = TransientMemory(self)  # decoded media of requests in flight
+        # decoded media of requests in flight
+        self.transient = TransientMemory(self._changed, self.policy, self.used_bytes,
+                                         lambda: self._closing)
 
     # -- registry -----------------------------------------------------------
     def register(self, reg: Registration) -> ResidencyManager:

@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxd.jsonfile import read_json_object
+from mlxd.models.kinds import KINDS
 from mlxd.models.spec import ModelKind, parse_size
 
 if TYPE_CHECKING:
     from mlxd.config import ServerConfig
 
 DEFAULT_KV_RESERVE_TOKENS = 32_768
-ACTIVATION_RESERVE = {ModelKind.EMBEDDING: 0.25, ModelKind.RERANK: 0.25,
-                      ModelKind.STT: 0.5, ModelKind.TTS: 0.5}
 MIN_ACTIVATION_RESERVE = 32 * 1024 * 1024
 
 
@@ -126,7 +125,7 @@ def speech_activation_bytes(config: dict[str, Any], audio_seconds: float,
     return recording + window
 
 
-# The image-feature cache of each vision model (engines/vlm_features.py), by bytes.
+# The image-feature cache of each vision model (engines/vision/features.py), by bytes.
 FEATURE_CACHE_BYTES = 64 * 1024 * 1024
 # Pixels of the largest image a vision tower without a fixed input size is assumed to
 # take (Qwen2-VL's processors resize to at most 1280 x 28 x 28 by default).
@@ -172,7 +171,7 @@ def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None
     if kind == ModelKind.STT and config and "n_audio_ctx" in config:
         activations = speech_activation_bytes(config, audio_seconds, dtype_bytes)
         return MemoryEstimate(weights, max(MIN_ACTIVATION_RESERVE, activations))
-    frac = ACTIVATION_RESERVE.get(kind, 0.25)
+    frac = KINDS[kind].activation_reserve
     return MemoryEstimate(weights, max(MIN_ACTIVATION_RESERVE, int(weights * frac)))
 
 

@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from mlxd.errors import Overloaded
 from mlxd.models.memory import format_bytes
 
-if TYPE_CHECKING:
-    from mlxd.models.manager import ModelManager
+
+class BudgetPolicy(Protocol):
+    """What a hold reads of the manager's policy (``ManagerPolicy``)."""
+
+    budget_bytes: int
+    wait_timeout_s: float
+    contention: str
 
 
 class TransientHold:
@@ -41,21 +47,26 @@ class TransientHold:
 class TransientMemory:
     """The transient bytes of requests in flight, under one manager's budget and lock."""
 
-    def __init__(self, manager: ModelManager) -> None:
-        self._manager = manager
+    def __init__(self, changed: asyncio.Condition, policy: BudgetPolicy,
+                 used_bytes: Callable[[], int], closing: Callable[[], bool]) -> None:
+        """``changed``: the manager's condition (its lock guards the budget);
+        ``used_bytes``: what models hold; ``closing``: the server is shutting down."""
+        self._changed = changed
+        self._policy = policy
+        self._used_bytes = used_bytes
+        self._closing = closing
         self.held = 0  # bytes held by requests now
         self.holders = 0
 
     async def hold(self, nbytes: int, what: str) -> TransientHold:
         """Count ``nbytes`` (``what`` names them in a refusal) once they fit; see above."""
-        manager = self._manager
-        policy = manager.policy
+        policy = self._policy
         deadline = time.monotonic() + policy.wait_timeout_s
-        async with manager._changed:
+        async with self._changed:
             while True:
-                if manager._closing:
+                if self._closing():
                     raise Overloaded("The server is shutting down.", retry_after=5)
-                used = manager.used_bytes()
+                used = self._used_bytes()
                 if not self.holders or used + self.held + nbytes <= policy.budget_bytes:
                     self.held += nbytes
                     self.holders += 1
@@ -68,12 +79,12 @@ class TransientMemory:
                 if policy.contention == "fail" or remaining <= 0:
                     raise Overloaded(message, retry_after=5, code="memory_budget_full")
                 try:
-                    await asyncio.wait_for(manager._changed.wait(), timeout=remaining)
+                    await asyncio.wait_for(self._changed.wait(), timeout=remaining)
                 except asyncio.TimeoutError:
                     pass
 
     async def _give_back(self, nbytes: int) -> None:
-        async with self._manager._changed:
+        async with self._changed:
             self.held = max(0, self.held - nbytes)
             self.holders = max(0, self.holders - 1)
-            self._manager._changed.notify_all()
+            self._changed.notify_all()

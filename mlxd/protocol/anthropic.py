@@ -1,7 +1,8 @@
 """Anthropic Messages API request models (``/v1/messages``, ``/v1/messages/count_tokens``).
 
 Unknown fields are accepted and ignored (Claude Code sends ``cache_control``,
-``context_management`` and other fields a local server has no use for).
+``context_management`` and other fields a local server has no use for);
+``metadata`` and ``output_config.effort`` are accepted and ignored too.
 Content blocks are a discriminated union on ``type``: a block type mlxd does
 not know is a 400 naming the type. ``chat_template_kwargs`` is an mlxd
 extension (the SDK's ``extra_body``).
@@ -88,7 +89,10 @@ ContentBlock = Annotated[
 
 
 class Message(_Lenient):
-    role: Literal["user", "assistant"]
+    """A turn. ``system`` is Anthropic's mid-conversation system message (text only),
+    which Claude Code sends for models it does not know."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 

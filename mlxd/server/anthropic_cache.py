@@ -5,7 +5,7 @@ marks the prompt up to there (tools, then system, then messages, Anthropic's
 order); the request's top-level ``cache_control`` marks its last message. The
 marked prefix is pinned in the model's prefix cache for its TTL (``"5m"`` by
 default, ``"1h"``), ahead of LRU eviction, and each use renews it
-(``engines/prefix_cache.py``). A mark lies at the end of the message (or of
+(``engines/text/prefix_cache.py``). A mark lies at the end of the message (or of
 the system prompt and tools) that holds the marked block.
 
 ``usage`` counts as Anthropic does: ``cache_read_input_tokens`` came from the

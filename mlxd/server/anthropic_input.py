@@ -1,6 +1,10 @@
 """Anthropic Messages request -> ``GenerationRequest`` (canonical OpenAI-like messages).
 
 * ``system`` (string or text blocks) becomes the first system message.
+* A ``{"role": "system"}`` message inside ``messages`` (Anthropic's mid-conversation
+  system message) stays a system message in place; the input processor renders it
+  as a system turn where the chat template can, else folds it into the leading
+  system prompt (``generation/chat.py``: ``fold_late_system``).
 * Assistant turns: ``thinking`` -> ``reasoning_content``, ``text`` -> ``content``,
   ``tool_use`` -> ``tool_calls`` (arguments as JSON).
 * User turns: each ``tool_result`` becomes a ``tool`` message (``tool_call_id``),
@@ -129,6 +133,17 @@ def _assistant_message(message: Message, names: dict[str, str], where: str) -> d
     return out
 
 
+def _system_message_text(message: Message, where: str) -> str:
+    """A system message in ``messages``: its text (text blocks only)."""
+    if isinstance(message.content, str):
+        return message.content
+    for j, block in enumerate(message.content):
+        if not isinstance(block, TextBlock):
+            raise InvalidRequest(f"A system message can contain only 'text' blocks, not "
+                                 f"'{block.type}'.", param=f"{where}.content[{j}]")
+    return "\n".join(b.text for b in message.content if isinstance(b, TextBlock))
+
+
 def system_text(system: str | list[TextBlock] | None) -> str | None:
     if system is None or isinstance(system, str):
         return system or None
@@ -153,6 +168,8 @@ def canonical_messages(req: MessagesInput) -> list[dict[str, Any]]:
                                  param=f"{where}.content")
         if message.role == "user":
             out.extend(_user_messages(message, names, where))
+        elif message.role == "system":
+            out.append({"role": "system", "content": _system_message_text(message, where)})
         else:
             out.append(_assistant_message(message, names, where))
     check_tool_results(out, param="messages", what="tool_result for tool_use id")

@@ -26,6 +26,7 @@ from mlxd.models.spec import Family, ModelKind, ServingDefaults
 from mlxd.models.transient import TransientHold
 from mlxd.server.context import ServerContext
 from mlxd.server.observe import current_record
+from mlxd.server.sse import with_keepalive
 
 if TYPE_CHECKING:
     from mlxd.engines.base import PreparedPrompt
@@ -142,11 +143,13 @@ class TextSession:
     """
 
     def __init__(self, lease: ModelLease[TextGenerator], prepared: PreparedPrompt,
-                 n: int, media: TransientHold | None = None) -> None:
+                 n: int, media: TransientHold | None = None,
+                 keepalive_interval: float = 5.0) -> None:
         self.lease = lease
         self.prepared = prepared
         self.n = n
         self.media = media  # the decoded media's bytes in the budget, until close
+        self.keepalive_interval = keepalive_interval
 
     @property
     def model_name(self) -> str:
@@ -192,7 +195,7 @@ class TextSession:
             if media is not None:
                 await media.release()
             raise
-        return cls(lease, prepared, n, media)
+        return cls(lease, prepared, n, media, ctx.config.keepalive_interval)
 
     async def close(self) -> None:
         await self.lease.release()
@@ -219,6 +222,12 @@ class TextSession:
                         first[index] = now
                         record.first_output(now)
                 yield index, ev
+
+    def stream(self) -> AsyncIterator[tuple[int, Event] | None]:
+        """``events()`` for a streaming response: ``None`` marks each keep-alive interval
+        that passed without an event (see ``sse.with_keepalive``); every streaming route
+        renders it as its API's keep-alive."""
+        return with_keepalive(self.events(), self.keepalive_interval)
 
     async def _events(self) -> AsyncGenerator[tuple[int, Event], None]:
         if self.n == 1:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from mlxd.engines.sampling import greedy
+from mlxd.engines.text.sampling import greedy
 
 
 def run_jobs(decoder: Any, jobs: list[dict[str, Any]], eos: list[int],

@@ -95,7 +95,7 @@ def servable_vision_engines() -> EngineRegistry:
     so requests reach the media checks; the tests using it never let a model load."""
     spec = ENGINES[ModelKind.VISION]
     if spec.engine is None:
-        spec = replace(spec, engine="mlxd.engines.text:MLXLanguageModel", extra=None)
+        spec = replace(spec, engine="mlxd.engines.text.engine:MLXLanguageModel", extra=None)
     return EngineRegistry(specs={**ENGINES, ModelKind.VISION: spec})
 
 

@@ -120,7 +120,7 @@ def train_colours(src: Path, out: Path, *, seed: int = 0, max_steps: int = 300) 
     from mlx.utils import tree_flatten
     from mlx_vlm import load
 
-    from mlxd.engines.vlm_patches import registry
+    from mlxd.engines.vision.patches import registry
 
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)

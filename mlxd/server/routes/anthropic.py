@@ -22,10 +22,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mlxd.errors import GenerationFailed
+from mlxd.errors import ContextOverflow, GenerationFailed, InvalidRequest
 from mlxd.generation.events import Event, Finish, ReasoningDelta, TextDelta, ToolCall, Usage
 from mlxd.generation.truncated import parse_partial_json
-from mlxd.protocol.anthropic import CountTokensRequest, MessagesRequest
+from mlxd.protocol.anthropic import CountTokensRequest, MessagesInput, MessagesRequest
 from mlxd.server.anthropic_cache import usage_anthropic
 from mlxd.server.anthropic_input import generation_request
 from mlxd.server.context import ServerContext, get_ctx
@@ -146,8 +146,9 @@ async def _nothing(session: TextSession) -> AsyncIterator[tuple[int, Event]]:
     yield 0, Finish("length", Usage(session.prompt_tokens, 0))
 
 
-def _events(session: TextSession, max_tokens: int) -> AsyncIterator[tuple[int, Event]]:
-    return session.events() if max_tokens > 0 else _nothing(session)
+def _events(session: TextSession,
+            max_tokens: int) -> AsyncIterator[tuple[int, Event] | None]:
+    return session.stream() if max_tokens > 0 else _nothing(session)
 
 
 async def _respond(session: TextSession, request: Request, req: MessagesRequest,
@@ -181,7 +182,11 @@ async def _stream(session: TextSession, req: MessagesRequest,
             _new_id(), req.model, [], None, None, usage_anthropic(prompt, session.cache_pins))})
         yield sse_event("ping", {"type": "ping"})
         blocks = ContentBlocks()
-        async for _, event in _events(session, req.max_tokens):
+        async for item in _events(session, req.max_tokens):
+            if item is None:
+                yield sse_event("ping", {"type": "ping"})
+                continue
+            event = item[1]
             if not isinstance(event, Finish):
                 for name, payload in blocks.feed(event):
                     yield sse_event(name, payload)
@@ -202,12 +207,38 @@ async def _stream(session: TextSession, req: MessagesRequest,
         await session.close()
 
 
+def prompt_too_long(error: ContextOverflow) -> InvalidRequest:
+    """Anthropic's words for a prompt that does not fit, the ones Claude Code compacts
+    its history on. The maximum is the most a prompt may take: the context less the
+    one token an answer needs."""
+    return InvalidRequest(f"prompt is too long: {error.prompt_tokens} tokens > "
+                          f"{error.context - 1} maximum", param=error.param,
+                          code=error.code)
+
+
+async def _open(ctx: ServerContext, req: MessagesInput, endpoint: str) -> TextSession:
+    gen = generation_request(req, ctx.manager.get(req.model).entry.defaults)
+    try:
+        return await TextSession.open(ctx, req.model, gen, endpoint=endpoint)
+    except ContextOverflow as e:
+        if endpoint == COUNT_ENDPOINT and e.counted:
+            raise CountedOverflow(e.prompt_tokens) from e
+        raise prompt_too_long(e) from e
+
+
+class CountedOverflow(Exception):
+    """count_tokens of a prompt beyond the context: the count is the answer."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(tokens)
+        self.tokens = tokens
+
+
 @router.post(ENDPOINT)
 async def create_message(req: MessagesRequest, request: Request,
                          ctx: ServerContext = Depends(get_ctx)) -> Any:
     """Create a message (streaming with ``stream: true``)."""
-    gen = generation_request(req, ctx.manager.get(req.model).entry.defaults)
-    session = await TextSession.open(ctx, req.model, gen, endpoint=ENDPOINT)
+    session = await _open(ctx, req, ENDPOINT)
     clamped = clamp_max_tokens(session, req.max_tokens)
     if req.stream:
         return StreamingResponse(_stream(session, req, clamped),
@@ -218,9 +249,13 @@ async def create_message(req: MessagesRequest, request: Request,
 @router.post(COUNT_ENDPOINT)
 async def count_tokens(req: CountTokensRequest,
                        ctx: ServerContext = Depends(get_ctx)) -> dict[str, int]:
-    """Tokens of the prompt as the model's chat template renders it; nothing is generated."""
-    gen = generation_request(req, ctx.manager.get(req.model).entry.defaults)
-    session = await TextSession.open(ctx, req.model, gen, endpoint=COUNT_ENDPOINT)
+    """Tokens of the prompt as the model's chat template renders it; nothing is generated.
+    A prompt longer than the context is counted too (Claude Code measures its history
+    with this before it compacts)."""
+    try:
+        session = await _open(ctx, req, COUNT_ENDPOINT)
+    except CountedOverflow as over:
+        return {"input_tokens": over.tokens}
     try:
         return {"input_tokens": session.prompt_tokens}
     finally:

@@ -25,7 +25,7 @@ from mlxd.protocol.tokenize import TokenizeRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import constraint, tool_choice, tool_specs
-from mlxd.server.sse import SSE_DONE, SSE_HEADERS, sse_data
+from mlxd.server.sse import SSE_COMMENT_KEEPALIVE, SSE_DONE, SSE_HEADERS, sse_data
 from mlxd.server.text_session import (
     TextSession,
     finish_of,
@@ -153,7 +153,11 @@ async def _stream(session: TextSession, req: ChatCompletionRequest) -> AsyncIter
     try:
         for i in range(session.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        async for index, ev in session.events():
+        async for item in session.stream():
+            if item is None:
+                yield SSE_COMMENT_KEEPALIVE
+                continue
+            index, ev = item
             if isinstance(ev, TextDelta):
                 lps = ({"content": [logprob_entry(lp) for lp in ev.logprobs]}
                        if req.logprobs and ev.logprobs else None)

@@ -20,7 +20,7 @@ from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import constraint
 from mlxd.server.routes.chat import finish_reason
-from mlxd.server.sse import SSE_DONE, SSE_HEADERS, sse_data
+from mlxd.server.sse import SSE_COMMENT_KEEPALIVE, SSE_DONE, SSE_HEADERS, sse_data
 from mlxd.server.text_session import (
     TextSession,
     finish_of,
@@ -156,7 +156,11 @@ async def _stream(sessions: list[TextSession], req: CompletionRequest) -> AsyncI
             if req.echo:
                 for i in range(session.n):
                     yield chunk(p * req.n + i, session.engine.prompt_text(session.prepared))
-            async for i, ev in session.events():
+            async for item in session.stream():
+                if item is None:
+                    yield SSE_COMMENT_KEEPALIVE
+                    continue
+                i, ev = item
                 index = p * req.n + i
                 if isinstance(ev, TextDelta):
                     lps = (legacy_logprobs(list(ev.logprobs), 0)

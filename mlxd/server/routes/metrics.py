@@ -102,7 +102,7 @@ class ManagerCollector:
 
 
 class _KVGauges:
-    """Admission by live KV (engines/kv_admission.py): what running sequences hold and are
+    """Admission by live KV (engines/text/kv_admission.py): what running sequences hold and are
     granted, the allowance, preemptions and sequences waiting for memory."""
 
     def __init__(self) -> None:

@@ -32,10 +32,10 @@ def _file(name: str) -> FileResponse:
                         headers=_HEADERS)
 
 
-@router.get("/")
-@router.get("/ui")
+@router.api_route("/", methods=["GET", "HEAD"])
+@router.api_route("/ui", methods=["GET", "HEAD"])
 async def index() -> FileResponse:
-    """The playground page."""
+    """The playground page (HEAD too: Claude Code probes ``HEAD /`` when it starts)."""
     return _file("index.html")
 
 

@@ -73,7 +73,12 @@ async def _stream(session: TextSession, run: ResponseRun, store: ResponseStore,
     try:
         yield send({"type": "response.created", "response": run.response("in_progress")})
         yield send({"type": "response.in_progress", "response": run.response("in_progress")})
-        async for _, event in session.events():
+        async for item in session.stream():
+            if item is None:  # keep-alive: Codex counts any SSE event as activity
+                yield send({"type": "response.in_progress",
+                            "response": run.response("in_progress")})
+                continue
+            event = item[1]
             if not isinstance(event, Finish):
                 for item_event in run.output.feed(event):
                     yield send(item_event)

@@ -1,0 +1,1 @@
+"""Text models sharded over several processes: the leader engine and the followers."""

@@ -1,0 +1,2 @@
+"""Encoder models: embeddings, reranking (cross-encoders), pooling and the token batcher
+they share."""

@@ -1,0 +1,452 @@
+"""``MLXLanguageModel``: text generation over mlx-lm.
+
+Loading (weights, tokenizer, parsers, the input processor, the decoder and
+scheduler, the prefix cache), the async face of the scheduler that runs on the
+worker thread, and prompt logprobs. Prompt preparation (chat template, tools,
+limits, grammar) is ``engines/text/input_processor.py``; decoding is
+``engines/text/mlx_lm_decoder.py`` under ``engines/text/scheduler.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+
+from mlxd.engines.base import Tokenized
+from mlxd.engines.device import weights_nbytes
+from mlxd.engines.kernels.prefill import (
+    PrefillAttention,
+    cpu_prefill_chunk,
+    install_cpu_prefill_attention,
+)
+from mlxd.engines.text.draft import DraftModel, load_draft_model, plain_kv
+from mlxd.engines.text.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
+from mlxd.engines.text.input_processor import InputLimits, InputProcessor, PreparedPrompt
+from mlxd.engines.text.kv_admission import KVLedger, kv_ledger
+from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
+from mlxd.engines.text.prefix_cache import PrefixCache, model_identity
+from mlxd.engines.text.prefix_disk import DiskTier
+from mlxd.engines.text.prompt_limits import max_token_chars, vocab_bound
+from mlxd.engines.text.scheduler import (
+    AsyncQueueSink,
+    BatchScheduler,
+    SchedulerBase,
+    Sequence,
+    SerialScheduler,
+)
+from mlxd.engines.text.speculative import Drafter, SpeculativeOptions
+from mlxd.engines.text.structured import GrammarTokenizer
+from mlxd.engines.text.tool_parsers import tool_call_format
+from mlxd.engines.upstream import mlx_lm as lm_internals
+from mlxd.errors import InvalidRequest, ModelLoadError
+from mlxd.generation.detokenizer import IncrementalDetokenizer
+from mlxd.generation.events import Event, Finish, TokenLogprob, TopLogprob
+from mlxd.generation.params import GenerationRequest
+from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
+from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
+from mlxd.generation.tools import ToolCallFormat
+from mlxd.runtime.distributed import GroupOptions
+from mlxd.runtime.worker import ModelWorker
+
+log = logging.getLogger(__name__)
+
+# Requests tokenised at once per model: each is bounded by the context length, and
+# together they must not take the memory of a flood of prompts.
+PREPARE_CONCURRENCY = 4
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
+                 "seq_length", "n_ctx", "max_seq_len", "model_max_length")
+
+
+@dataclass
+class TextEngineOptions:
+    """Serving limits for one text model (from the server config and registry entry)."""
+
+    max_num_seqs: int = 16
+    max_queue: int = 256
+    prefill_step_size: int = 2048
+    prefix_cache_bytes: int = 256 * 1024 * 1024
+    batching: bool = True
+    max_context: int | None = None
+    default_max_tokens: int | None = None  # None: the rest of the context
+    kv_output_estimate: int = 1024  # output tokens expected of a request with no limit
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    trust_remote_code: bool = False
+    prefix_cache_dir: Path | None = None
+    prefix_cache_disk_bytes: int = 0  # the disk tier under the prefix cache (0: none)
+    prefix_cache_disk_dir: Path | None = None
+    group: GroupOptions | None = None  # set when the model is sharded over a group
+    speculative: SpeculativeOptions | None = None  # drafting in the batched scheduler
+    draft_model: Path | None = None  # its folder, for ``speculative.mode == "draft"``
+
+
+__all__ = ["MLXLanguageModel", "PreparedPrompt", "TextEngineOptions", "context_length_of"]
+
+
+def context_length_of(config: dict[str, Any], tokenizer: Any = None) -> int:
+    text_cfg = config.get("text_config") or {}
+    for source in (config, text_cfg):
+        for key in _CONTEXT_KEYS:
+            value = source.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 10_000_000:
+        return limit
+    return 4096
+
+
+class MLXLanguageModel:
+    """A text LLM loaded with mlx-lm and served through a scheduler."""
+
+    kind = "text"
+    # On CPU, decode-sized float32 matmuls go to BLAS's sgemv (``cpu_gemv``).
+    HOST_GEMV = True
+
+    def __init__(self, name: str, path: Path, worker: ModelWorker,
+                 options: TextEngineOptions | None = None) -> None:
+        self.name = name
+        self.path = Path(path)
+        self.worker = worker
+        self.options = options or TextEngineOptions()
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.config: dict[str, Any] = {}
+        self.context_length = 0
+        self.scheduler: SchedulerBase | None = None
+        self.prefix_cache: PrefixCache | None = None
+        self.reasoning: ReasoningFormat | None = None
+        self.tool_format: ToolCallFormat | None = None
+        self.inputs: InputProcessor | None = None  # built at each load
+        self._weights_bytes = 0
+        self.draft: Any = None  # the draft model (``--draft-model``), loaded with this one
+        self._prefill_attention: PrefillAttention | None = None  # undone at close
+        self.vocab_size = 0  # token ids a client may send: [0, vocab_size)
+        self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
+        self.kv: KVLedger | None = None  # admission by live KV, under a memory budget
+
+    # -- lifecycle (worker thread) -----------------------------------------
+    def load(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        lm_internals.ADAPTER.require(self.name)
+        try:
+            model, tokenizer, config = self._load_model()
+        except Exception as e:
+            raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self._prefill_attention = install_cpu_prefill_attention(model, self.HOST_GEMV)
+        self._weights_bytes = weights_nbytes(model)
+        # The wrapper forwards attribute reads to the HF tokenizer (model_max_length).
+        ctx = context_length_of(config, tokenizer)
+        if self.options.max_context:
+            ctx = min(ctx, self.options.max_context)
+        self.context_length = ctx
+        self.vocab_size = vocab_bound(model, config, len(tokenizer))
+        self._build_parsers()
+        self.inputs = self._input_processor(config)
+        probe_cache = make_prompt_cache(model)
+        # A recurrent state cannot be cut back to the system prompt a new conversation
+        # shares with others: checkpoint it where the system messages end.
+        self.inputs.checkpoint_system = (self.options.prefix_cache_bytes > 0
+                                         and not is_trimmable(probe_cache))
+        self.draft = self._load_draft(probe_cache)
+        self.scheduler = self._scheduler(model, probe_cache)
+        self.kv = kv_ledger(model, config, self.worker.budget,
+                            lambda: self._weights_bytes + self.options.prefix_cache_bytes,
+                            self.options.kv_output_estimate)
+        if isinstance(self.scheduler, BatchScheduler):
+            self.scheduler.kv = self.kv
+        self.worker.set_stepper(self.scheduler)
+        if self.prefix_cache is not None and self.options.prefix_cache_dir is not None:
+            restored = self.prefix_cache.restore(self.options.prefix_cache_dir)
+            if restored:
+                log.info("model %s: restored %d prefix cache entries", self.name, restored)
+
+    def _load_model(self) -> tuple[Any, Any, dict[str, Any]]:
+        """Weights, tokenizer and config (a sharded engine loads its shard instead)."""
+        from mlx_lm.utils import load
+
+        return cast(tuple[Any, Any, dict[str, Any]], load(
+            str(self.path), return_config=True, trust_remote_code=self.options.trust_remote_code))
+
+    def _load_draft(self, probe_cache: list[Any]) -> Any:
+        """The draft model when this model drafts with one and can speculate (batched plain
+        KV caches); its weights count in this model's memory."""
+        opts = self.options
+        if opts.draft_model is None or opts.speculative is None or \
+                opts.speculative.mode != "draft":
+            return None
+        if not (opts.batching and plain_kv(probe_cache)):
+            log.warning("model %s: speculation needs batched plain KV caches; the draft "
+                        "model is not loaded", self.name)
+            return None
+        try:
+            draft = load_draft_model(opts.draft_model, self.tokenizer)
+        except Exception as e:
+            raise ModelLoadError(self.name, f"draft model {opts.draft_model}: "
+                                            f"{type(e).__name__}: {e}") from e
+        self._weights_bytes += weights_nbytes(draft)
+        return draft
+
+    def _drafter(self) -> Callable[[], Drafter] | None:
+        """A fresh draft-model drafter per batch generator, or None (prompt lookup)."""
+        draft = self.draft
+        if draft is None:
+            return None
+        vocab = min(self.vocab_size, vocab_bound(draft, {}, self.vocab_size))
+        return lambda: DraftModel(draft, vocab=vocab)
+
+    def _input_processor(self, config: dict[str, Any]) -> InputProcessor:
+        """This load's prompt preparation: its tokenizer, limits, parsers and grammar."""
+        tok = self.tokenizer
+        vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+                    or len(tok))
+        grammar = GrammarTokenizer(tok.backend_tokenizer, vocab, sorted(tok.eos_token_ids))
+        limits = InputLimits(self.context_length, self.vocab_size, max_token_chars(tok),
+                             self.options.default_max_tokens)
+        return InputProcessor(self.name, tok, limits, reasoning=self.reasoning,
+                              tool_format=self.tool_format, grammar_tokenizer=grammar)
+
+    def _scheduler(self, model: Any, probe_cache: list[Any]) -> SchedulerBase:
+        """A batched scheduler over mlx-lm's ``BatchGenerator`` when every cache layer can
+        be merged into a batch (and batching is on), else a serial one."""
+        # On CPU, prompts are prefilled in shorter chunks (engines/kernels/prefill.py).
+        opts = replace(self.options,
+                       prefill_step_size=cpu_prefill_chunk(self.options.prefill_step_size))
+        if opts.prefix_cache_bytes > 0:
+            identity = model_identity(self.path)
+            disk = (DiskTier(opts.prefix_cache_disk_dir, opts.prefix_cache_disk_bytes, identity)
+                    if opts.prefix_cache_disk_bytes > 0 and opts.prefix_cache_disk_dir else None)
+            self.prefix_cache = PrefixCache(opts.prefix_cache_bytes, identity=identity, disk=disk)
+        if opts.batching and can_batch(probe_cache):
+            prefill_batch = prefill_batch_size(str(self.config.get("model_type", "")),
+                                               probe_cache, opts.max_num_seqs)
+            decoder = LMBatchDecoder(model, eos_ids=list(self.tokenizer.eos_token_ids),
+                                     max_num_seqs=opts.max_num_seqs,
+                                     prefill_step_size=opts.prefill_step_size,
+                                     prefill_batch_size=prefill_batch,
+                                     speculative=opts.speculative, drafter=self._drafter())
+            return BatchScheduler(
+                decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
+                max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
+                prefix_cache=self.prefix_cache, wake=self.worker.wake,
+                checkpoint_before_last=not is_trimmable(probe_cache), share_prefills=True)
+        return SerialScheduler(
+            LMSerialDecoder(model, prefill_step_size=opts.prefill_step_size), self.tokenizer,
+            max_queue=opts.max_queue, wake=self.worker.wake, prefix_cache=self.prefix_cache)
+
+    def _build_parsers(self) -> None:
+        """Fresh tokenizer-derived parser choices for this load."""
+        tok = self.tokenizer
+        detected = (tok.think_start, tok.think_end) if tok.has_thinking else None
+        self.reasoning = reasoning_format(self.options.reasoning_parser, detected)
+        self.tool_format = tool_call_format(self.options.tool_call_parser, tok)
+
+    def persist_state(self) -> int:
+        """Save the prefix cache so a reload can restore it (unload hook)."""
+        if self.prefix_cache is None or self.options.prefix_cache_dir is None:
+            return 0
+        if len(self.prefix_cache) == 0:
+            return 0
+        return self.prefix_cache.save(self.options.prefix_cache_dir)
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # its disk tier's queued writes
+        self.worker.set_stepper(None)
+        self.scheduler = None
+        self.kv = None
+        self.prefix_cache = None
+        self.inputs = None
+        self.model = None
+        self.draft = None
+        if self._prefill_attention is not None:
+            self._prefill_attention.undo()
+            self._prefill_attention = None
+        gc.collect()
+        mx.clear_cache()
+
+    # -- facts -------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        total = self._weights_bytes
+        if self.prefix_cache is not None:
+            total += self.prefix_cache.nbytes
+        sched = self.scheduler
+        if isinstance(sched, BatchScheduler):
+            # the KV granted to running sequences is held for them, grown into or not
+            total += max(sched.cache_nbytes(), self.kv.granted_bytes() if self.kv else 0)
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        sched = self.scheduler
+        return {
+            "context_length": self.context_length,
+            "batching": getattr(sched, "mode", None),
+            "max_num_seqs": sched.max_num_seqs if sched else None,
+            "reasoning_parser": self.reasoning.name if self.reasoning else None,
+            "tool_call_parser": self.tool_format.name if self.tool_format else None,
+            "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0,
+            "draft_model": (str(self.options.draft_model)
+                            if self.draft is not None and self.options.draft_model else None),
+            # what --speculative resolved to for this model (auto: on a GPU or fast BLAS)
+            "speculative": (sched.decoder.speculation if isinstance(sched, BatchScheduler)
+                            and isinstance(sched.decoder, LMBatchDecoder) else "off"),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.scheduler.stats()) if self.scheduler else {}
+        if self.prefix_cache is not None:
+            out.update(prefix_cache_hits=self.prefix_cache.hits,
+                       prefix_cache_misses=self.prefix_cache.misses,
+                       prefix_cache_bytes=self.prefix_cache.nbytes,
+                       prefix_cache_entries=len(self.prefix_cache))
+            disk = self.prefix_cache.disk
+            if disk is not None:
+                out.update(prefix_cache_disk_bytes=disk.nbytes,
+                           prefix_cache_disk_reads=disk.reads)
+        return out
+
+    # -- requests ------------------------------------------------------------
+    async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        """Tokenise and check limits off the event loop (tokenizers are not MLX)."""
+        async with self._prepare_slots:
+            return await asyncio.to_thread(self._prepare, request)
+
+    def _prepare(self, request: GenerationRequest) -> PreparedPrompt:
+        inputs = self.inputs
+        if inputs is None:
+            raise InvalidRequest(f"Model '{self.name}' is not loaded.")
+        return inputs.prepare(request)
+
+    def _pipeline(self, prepared: PreparedPrompt) -> OutputPipeline:
+        req = prepared.request
+        options = PipelineOptions(
+            stop=list(req.stop), include_stop_str_in_output=req.include_stop_str_in_output,
+            reasoning=self.reasoning if req.messages is not None else None,
+            start_in_reasoning=prepared.start_in_reasoning,
+            tool_format=prepared.tool_format, tools=list(req.tools),
+            prompt_tokens=len(prepared.tokens))
+        detok = IncrementalDetokenizer(self.tokenizer, prepared.tokens)
+        return OutputPipeline(detok, options)
+
+    async def generate(self, prepared: PreparedPrompt, seed_offset: int = 0) -> AsyncIterator[Event]:
+        """Stream events for one prepared prompt; closing the iterator cancels it.
+
+        ``seed_offset`` gives each of ``n`` choices its own seed.
+        """
+        scheduler, inputs = self.scheduler, self.inputs
+        if scheduler is None or inputs is None:
+            raise InvalidRequest(f"Model '{self.name}' is not loaded.")
+        req = prepared.request
+        sampling = req.sampling
+        if seed_offset and sampling.seed is not None:  # wraps within the 64-bit seed space
+            sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
+        if self.kv is not None:
+            self.kv.refuse_never_fitting(prepared)
+        sink = AsyncQueueSink(asyncio.get_running_loop())
+        seq = Sequence(
+            seq_id=prepared.id + uuid.uuid4().hex[:8], prompt=prepared,
+            max_tokens=prepared.max_tokens, sampling=sampling,
+            stop_token_ids=prepared.stop_token_ids, pipeline=self._pipeline(prepared),
+            sink=sink, logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+            processor_factory=inputs.constraint_factory(prepared.grammar))
+        scheduler.submit(seq)
+        finished = False
+        try:
+            while not finished:
+                for event in await sink.queue.get():
+                    yield event
+                    if isinstance(event, Finish):
+                        finished = True
+                        break
+        finally:
+            if not finished:
+                scheduler.cancel(seq.seq_id)
+
+    # -- what routes may know of a prepared prompt (the TextGenerator protocol) --
+    def count_tokens(self, prepared: PreparedPrompt) -> int:
+        return len(prepared.tokens)
+
+    def cached_tokens(self, prepared: PreparedPrompt) -> int:
+        pc = self.prefix_cache
+        if pc is None or len(prepared.tokens) < 2:
+            return 0
+        namespace = pc.namespace(prepared.media_hashes, prepared.cache_salt)
+        return min(pc.peek(prepared.tokens, namespace), len(prepared.tokens) - 1)
+
+    def prompt_text(self, prepared: PreparedPrompt) -> str:
+        return prepared.prompt_text
+
+    def detokenize(self, tokens: Iterable[int]) -> str:
+        return cast(str, self.tokenizer.decode(list(tokens)))
+
+    # -- the token endpoints (the TextGenerator protocol) ---------------------
+    async def tokenize(self, request: GenerationRequest, *, add_special_tokens: bool,
+                       token_strs: bool = False) -> Tokenized:
+        """``request``'s prompt or messages as token ids (``InputProcessor.tokenize``)."""
+        inputs = self._loaded_inputs()
+        async with self._prepare_slots:
+            tokens = await asyncio.to_thread(inputs.tokenize, request, add_special_tokens)
+            strs = await asyncio.to_thread(inputs.token_strings, tokens) if token_strs else None
+        return Tokenized(tokens, self.context_length, strs)
+
+    async def decode(self, tokens: Iterable[int]) -> str:
+        """Client token ids as text, each checked against the vocabulary first."""
+        inputs = self._loaded_inputs()
+        async with self._prepare_slots:
+            return await asyncio.to_thread(inputs.decode, list(tokens))
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        tok = self.tokenizer
+        hf = lm_internals.hf_tokenizer(tok)
+        template = getattr(tok, "chat_template", None)
+
+        def special(name: str) -> str | None:
+            value = getattr(hf, name, None)
+            return value if isinstance(value, str) else None
+
+        return {"tokenizer_class": type(hf).__name__, "eos_token": special("eos_token"),
+                "bos_token": special("bos_token"), "pad_token": special("pad_token"),
+                "unk_token": special("unk_token"), "model_max_length": self.context_length,
+                "vocab_size": self.vocab_size,
+                "chat_template": template if isinstance(template, str) else None}
+
+    def _loaded_inputs(self) -> InputProcessor:
+        inputs = self.inputs
+        if inputs is None:
+            raise InvalidRequest(f"Model '{self.name}' is not loaded.")
+        return inputs
+
+    async def prompt_logprobs(self, prepared: PreparedPrompt, top: int) -> list[TokenLogprob]:
+        """Log-probabilities of each prompt token given its prefix (``echo`` + ``logprobs``);
+        the first token, with nothing before it, has none."""
+        return await self.worker.run(self._prompt_logprobs, prepared.tokens, top)
+
+    def _prompt_logprobs(self, tokens: list[int], top: int) -> list[TokenLogprob]:
+        logits = self.model(mx.array(tokens)[None])[0].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        first = self.detokenize(tokens[:1])
+        out = [TokenLogprob(tokens[0], first, None, list(first.encode()), [])]  # type: ignore[arg-type]
+        for pos in range(1, len(tokens)):
+            row = logprobs[pos - 1]
+            tid = tokens[pos]
+            text = self.tokenizer.decode([tid])
+            tops = []
+            if top > 0:
+                idx = cast(list[int], mx.argsort(-row)[:top].tolist())
+                for i in idx:
+                    t = self.tokenizer.decode([i])
+                    tops.append(TopLogprob(t, float(row[i].item()), list(t.encode())))
+            out.append(TokenLogprob(tid, text, float(row[tid].item()), list(text.encode()), tops))
+        return out

@@ -1,0 +1,90 @@
+"""mlx-lm's internals, behind one seam.
+
+mlxd decodes through mlx-lm's ``BatchGenerator`` and keeps prefixes in its
+``LRUPromptCache``; a few things it needs have no public API. This module is the
+one place that reads or writes them from outside mlx-lm's own classes, and
+``PRIVATE`` lists every private name mlxd uses, those its subclasses
+(``SpeculativeBatch``, ``GappedBatchKVCache``) inherit included.
+``tests/test_upstream_adapters.py`` checks each on the installed version; a model
+load runs ``ADAPTER.require`` (see ``upstream/versions.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from mlxd.engines.upstream.versions import Adapter, Private
+
+_GEN = "mlx_lm.generate"
+_CACHE = "mlx_lm.models.cache"
+_SPEC = "engines/text/speculative.py: SpeculativeBatch"
+
+PRIVATE = (
+    Private(_GEN, "BatchGenerator", "_generation_batch", "attribute",
+            "engines/text/speculative.py: install() puts a SpeculativeBatch in its place"),
+    Private(_GEN, "GenerationBatch", "_next_tokens", "attribute",
+            f"{_SPEC} and draft.py: the rows' pending tokens"),
+    Private(_GEN, "GenerationBatch", "_next_logprobs", "attribute", _SPEC),
+    Private(_GEN, "GenerationBatch", "_num_tokens", "attribute",
+            f"{_SPEC} and draft.py: tokens generated per row"),
+    Private(_GEN, "GenerationBatch", "_token_context", "attribute", _SPEC),
+    Private(_GEN, "GenerationBatch", "_matchers", "attribute", f"{_SPEC}: stop sequences"),
+    Private(_CACHE, "BatchKVCache", "_idx", "attribute",
+            "engines/text/gapped_cache.py: the batch's write position"),
+    Private(_CACHE, "BatchKVCache", "_right_padding", "attribute",
+            "engines/text/gapped_cache.py: GappedBatchKVCache.finalize"),
+    Private(_CACHE, "LRUPromptCache", "_trie", "attribute",
+            "engines/text/prefix_cache.py: peek and entries"),
+    Private(_CACHE, "LRUPromptCache", "_lru", "attribute",
+            "engines/text/prefix_cache.py: entries, least recently used first"),
+    Private(_CACHE, "LRUPromptCache.CacheOrder", "_lrus", "attribute",
+            "engines/text/prefix_cache.py: entries, least recently used first"),
+    Private("mlx_lm.tokenizer_utils", "TokenizerWrapper", "_tokenizer", "attribute",
+            "engines/text/engine.py: the Hugging Face tokenizer behind the wrapper"),
+)
+
+ADAPTER = Adapter("mlx-lm", ("0.32.2",), PRIVATE)
+
+
+def generation_batch(gen: Any) -> Any:
+    """The ``GenerationBatch`` a ``BatchGenerator`` decodes."""
+    return gen._generation_batch
+
+
+def replace_generation_batch(gen: Any, batch: Any) -> None:
+    """Make ``gen`` decode through ``batch`` (before any sequence has joined)."""
+    gen._generation_batch = batch
+
+
+def pending_tokens(batch: Any) -> Any:
+    """The token each row of a ``GenerationBatch`` feeds next (an ``mx.array``)."""
+    return batch._next_tokens
+
+
+def generated_counts(batch: Any) -> list[int]:
+    """How many tokens each row of a ``GenerationBatch`` has generated."""
+    return list(batch._num_tokens)
+
+
+def write_position(cache: Any) -> int:
+    """Where a ``BatchKVCache`` writes its next step (its padded length)."""
+    return int(cache._idx)
+
+
+def prompt_trie(cache: Any) -> Any:
+    """The ``PromptTrie`` of an ``LRUPromptCache`` (``search``, ``get``)."""
+    return cache._trie
+
+
+def lru_entries(cache: Any) -> Iterator[tuple[Any, Any]]:
+    """(namespace, tokens) of every ``LRUPromptCache`` entry, least recently used first
+    within each of its orders."""
+    for order in cache._lru._lrus.values():
+        yield from order
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer behind mlx-lm's ``TokenizerWrapper`` (or ``tokenizer``
+    itself when it is not wrapped)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
