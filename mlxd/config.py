@@ -82,6 +82,9 @@ class ServerConfig(BaseSettings):
     max_queue: int = 256
     prefill_step_size: int = 2048
     prefix_cache_bytes: int | None = None
+    prefix_cache_disk_bytes: int = Field(0, ge=0, description=(
+        "bytes of a disk tier under $MLXD_HOME/prefix-cache-disk/ that the RAM prefix "
+        "cache evicts into and reads back from (default 0: off)"))
     max_context: int | None = None
     enable_prefix_cache_persist: bool = True
     speculative: Literal["auto", "prompt-lookup", "draft", "off"] = Field("auto", description=(
@@ -101,6 +104,9 @@ class ServerConfig(BaseSettings):
     contention: Literal["wait", "fail"] | None = None
     wait_timeout_s: float | None = None
     kv_reserve_tokens: int = 32_768
+    kv_output_estimate: int = Field(1024, gt=0, description=(
+        "output tokens admission by live KV expects of a request that sets no limit (it may "
+        "grow past it while memory allows; see docs/memory.md)"))
 
     # Embeddings and rerank
     max_embedding_inputs: int = 2048
@@ -168,6 +174,10 @@ class ServerConfig(BaseSettings):
     @property
     def prefix_cache_dir(self) -> Path:
         return self.home / "prefix-cache"
+
+    @property
+    def prefix_cache_disk_dir(self) -> Path:
+        return self.home / "prefix-cache-disk"
 
     @property
     def models_dir(self) -> Path:

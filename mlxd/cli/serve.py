@@ -54,6 +54,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--kv-reserve-tokens", "kv_reserve_tokens", {
         "type": int, "help": "tokens of KV cache reserved in a text model's memory estimate "
                              "(default 32768)"}),
+    ("--kv-output-estimate", "kv_output_estimate", {
+        "type": int, "help": "output tokens admission by live KV expects of a request that "
+                             "sets no limit (default 1024; see docs/memory.md)"}),
     ("--response-store-max", "response_store_max", {
         "type": int, "help": "Responses API: stored responses kept (default 1000)"}),
     ("--response-store-bytes", "response_store_bytes", {
@@ -71,6 +74,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--prefill-step-size", "prefill_step_size", {"type": int,
                                                   "help": "largest prompt chunk per step (default "
                                                           "2048; smaller while others decode)"}),
+    ("--prefix-cache-disk-bytes", "prefix_cache_disk_bytes", {
+        "type": int, "help": "bytes of a disk tier under $MLXD_HOME/prefix-cache-disk/ for "
+                             "entries the RAM prefix cache evicts (default 0: off)"}),
     ("--prefix-cache-bytes", "prefix_cache_bytes", {"type": int,
                                                     "help": "prefix cache bytes per text model "
                                                             "(default 5%% of the budget, at most "

@@ -56,9 +56,12 @@ class EngineFactory:
             prefix_cache_bytes=prefix_cache_bytes(cfg, self.budget_bytes),
             batching=cfg.batching, max_context=d.max_context or cfg.max_context,
             default_max_tokens=d.max_tokens or cfg.max_tokens,
+            kv_output_estimate=cfg.kv_output_estimate,
             reasoning_parser=entry.reasoning_parser or cfg.reasoning_parser,
             tool_call_parser=entry.tool_call_parser or cfg.tool_call_parser,
             trust_remote_code=entry.trust_remote_code,
+            prefix_cache_disk_bytes=cfg.prefix_cache_disk_bytes if not cfg.hosts else 0,
+            prefix_cache_disk_dir=cfg.prefix_cache_disk_dir / safe_name,
             prefix_cache_dir=(cfg.prefix_cache_dir / safe_name
                               if cfg.enable_prefix_cache_persist and not cfg.hosts else None),
             group=group_options(cfg),

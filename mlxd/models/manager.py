@@ -135,7 +135,8 @@ class ModelManager:
                                reserve=reg.reserve, on_change=self._notify,
                                load_gate=self._device_lock,
                                on_loaded=self._observer.loaded if self._observer else None,
-                               threads=self.threads)
+                               threads=self.threads,
+                               budget=lambda: self.budget_beside(reg.entry.name))
         self._models[reg.entry.name] = res
         for alias in reg.entry.aliases:
             self.alias(alias, reg.entry.name)
@@ -223,6 +224,16 @@ class ModelManager:
     # -- budget -------------------------------------------------------------
     def used_bytes(self, exclude: ResidencyManager | None = None) -> int:
         return sum(r.accounted_bytes() for r in self._models.values() if r is not exclude)
+
+    def budget_beside(self, name: str) -> tuple[int, int]:
+        """(the budget, bytes every other model holds): what an engine may grow into is the
+        difference less its own weights. Read from model worker threads, so it iterates a
+        snapshot of the table and tolerates a model changing state meanwhile."""
+        others = self.transient.held  # decoded media of requests in flight
+        for res in list(self._models.values()):
+            if res.name != name:
+                others += res.accounted_bytes()
+        return self.policy.budget_bytes, others
 
     def _holders(self) -> str:
         held = [f"{r.name} ({format_bytes(r.accounted_bytes())}, {r.state}"

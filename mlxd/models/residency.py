@@ -104,7 +104,8 @@ class ResidencyManager:
                  reserve: int = 0, on_change: Callable[[], Awaitable[None]] | None = None,
                  load_gate: asyncio.Lock | None = None,
                  on_loaded: Callable[[str, float], None] | None = None,
-                 threads: WorkerThreads | None = None) -> None:
+                 threads: WorkerThreads | None = None,
+                 budget: Callable[[], tuple[int, int]] | None = None) -> None:
         self.entry = entry
         self.kind = kind
         self.estimate = estimate
@@ -114,6 +115,7 @@ class ResidencyManager:
         self._load_gate = load_gate  # one load at a time per device
         self._on_loaded = on_loaded  # load-time metrics
         self._threads = threads  # where a new worker finds a parked thread
+        self._budget = budget  # (budget, bytes other models hold), handed to the engine
         self.state = State.UNLOADED
         self.loaded: LoadedModel | None = None
         self.last_error: str | None = None
@@ -223,7 +225,7 @@ class ResidencyManager:
         if self._closing or self.retired:  # gave up while waiting for the device
             raise await self._give_up()
         t0 = time.monotonic()
-        worker = ModelWorker(self.name, self._threads)
+        worker = ModelWorker(self.name, self._threads, budget=self._budget)
         worker.start()
         self._job = job = _LoadJob(self._loader)
         try:

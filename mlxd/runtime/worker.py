@@ -122,8 +122,12 @@ class WorkerThreads:
 class ModelWorker:
     """A thread that owns one model. Jobs run in submission order."""
 
-    def __init__(self, name: str, threads: WorkerThreads | None = None) -> None:
+    def __init__(self, name: str, threads: WorkerThreads | None = None,
+                 budget: Callable[[], tuple[int, int]] | None = None) -> None:
         self.name = name
+        # (memory budget, bytes other models hold) from the ModelManager, read from this
+        # thread: an engine sizes what it may grow into (live KV) from it. None: unbounded.
+        self.budget = budget
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stepper: Stepper | None = None
         self._threads = threads

@@ -30,8 +30,10 @@ from mlxd.engines.kernels.prefill import (
 from mlxd.engines.text.draft import DraftModel, load_draft_model, plain_kv
 from mlxd.engines.text.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
 from mlxd.engines.text.input_processor import InputLimits, InputProcessor, PreparedPrompt
+from mlxd.engines.text.kv_admission import KVLedger, kv_ledger
 from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
 from mlxd.engines.text.prefix_cache import PrefixCache, model_identity
+from mlxd.engines.text.prefix_disk import DiskTier
 from mlxd.engines.text.prompt_limits import max_token_chars, vocab_bound
 from mlxd.engines.text.scheduler import (
     AsyncQueueSink,
@@ -74,10 +76,13 @@ class TextEngineOptions:
     batching: bool = True
     max_context: int | None = None
     default_max_tokens: int | None = None  # None: the rest of the context
+    kv_output_estimate: int = 1024  # output tokens expected of a request with no limit
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     trust_remote_code: bool = False
     prefix_cache_dir: Path | None = None
+    prefix_cache_disk_bytes: int = 0  # the disk tier under the prefix cache (0: none)
+    prefix_cache_disk_dir: Path | None = None
     group: GroupOptions | None = None  # set when the model is sharded over a group
     speculative: SpeculativeOptions | None = None  # drafting in the batched scheduler
     draft_model: Path | None = None  # its folder, for ``speculative.mode == "draft"``
@@ -126,6 +131,7 @@ class MLXLanguageModel:
         self._prefill_attention: PrefillAttention | None = None  # undone at close
         self.vocab_size = 0  # token ids a client may send: [0, vocab_size)
         self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
+        self.kv: KVLedger | None = None  # admission by live KV, under a memory budget
 
     # -- lifecycle (worker thread) -----------------------------------------
     def load(self) -> None:
@@ -154,6 +160,11 @@ class MLXLanguageModel:
                                          and not is_trimmable(probe_cache))
         self.draft = self._load_draft(probe_cache)
         self.scheduler = self._scheduler(model, probe_cache)
+        self.kv = kv_ledger(model, config, self.worker.budget,
+                            lambda: self._weights_bytes + self.options.prefix_cache_bytes,
+                            self.options.kv_output_estimate)
+        if isinstance(self.scheduler, BatchScheduler):
+            self.scheduler.kv = self.kv
         self.worker.set_stepper(self.scheduler)
         if self.prefix_cache is not None and self.options.prefix_cache_dir is not None:
             restored = self.prefix_cache.restore(self.options.prefix_cache_dir)
@@ -212,8 +223,10 @@ class MLXLanguageModel:
         opts = replace(self.options,
                        prefill_step_size=cpu_prefill_chunk(self.options.prefill_step_size))
         if opts.prefix_cache_bytes > 0:
-            self.prefix_cache = PrefixCache(opts.prefix_cache_bytes,
-                                            identity=model_identity(self.path))
+            identity = model_identity(self.path)
+            disk = (DiskTier(opts.prefix_cache_disk_dir, opts.prefix_cache_disk_bytes, identity)
+                    if opts.prefix_cache_disk_bytes > 0 and opts.prefix_cache_disk_dir else None)
+            self.prefix_cache = PrefixCache(opts.prefix_cache_bytes, identity=identity, disk=disk)
         if opts.batching and can_batch(probe_cache):
             prefill_batch = prefill_batch_size(str(self.config.get("model_type", "")),
                                                probe_cache, opts.max_num_seqs)
@@ -249,8 +262,11 @@ class MLXLanguageModel:
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # its disk tier's queued writes
         self.worker.set_stepper(None)
         self.scheduler = None
+        self.kv = None
         self.prefix_cache = None
         self.inputs = None
         self.model = None
@@ -268,7 +284,8 @@ class MLXLanguageModel:
             total += self.prefix_cache.nbytes
         sched = self.scheduler
         if isinstance(sched, BatchScheduler):
-            total += sched.cache_nbytes()
+            # the KV granted to running sequences is held for them, grown into or not
+            total += max(sched.cache_nbytes(), self.kv.granted_bytes() if self.kv else 0)
         return total
 
     def describe(self) -> dict[str, Any]:
@@ -294,6 +311,10 @@ class MLXLanguageModel:
                        prefix_cache_misses=self.prefix_cache.misses,
                        prefix_cache_bytes=self.prefix_cache.nbytes,
                        prefix_cache_entries=len(self.prefix_cache))
+            disk = self.prefix_cache.disk
+            if disk is not None:
+                out.update(prefix_cache_disk_bytes=disk.nbytes,
+                           prefix_cache_disk_reads=disk.reads)
         return out
 
     # -- requests ------------------------------------------------------------
@@ -331,6 +352,8 @@ class MLXLanguageModel:
         sampling = req.sampling
         if seed_offset and sampling.seed is not None:  # wraps within the 64-bit seed space
             sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
+        if self.kv is not None:
+            self.kv.refuse_never_fitting(prepared)
         sink = AsyncQueueSink(asyncio.get_running_loop())
         seq = Sequence(
             seq_id=prepared.id + uuid.uuid4().hex[:8], prompt=prepared,

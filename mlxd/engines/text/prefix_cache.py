@@ -50,6 +50,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from mlxd.engines.text.prefix_disk import DiskTier
 from mlxd.engines.upstream import mlx_lm as lm_internals
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class _Pin:
     nbytes: int = 0
 
 
-def _cut(cache: list[Any], keep: int) -> list[Any]:
+def cut_copy(cache: list[Any], keep: int) -> list[Any]:
     """A copy of ``cache``'s first ``keep`` tokens that holds only its own bytes. A plain
     KV layer copies just those tokens (never the whole state: a long prompt's state can
     be gigabytes); other layers are copied whole, then cut back."""
@@ -124,8 +125,10 @@ def _cut(cache: list[Any], keep: int) -> list[Any]:
 class PrefixCache:
     """Thread-safe prefix cache for one model."""
 
-    def __init__(self, max_bytes: int, max_entries: int = 256, identity: str = "") -> None:
+    def __init__(self, max_bytes: int, max_entries: int = 256, identity: str = "",
+                 disk: DiskTier | None = None) -> None:
         self.max_bytes = max_bytes
+        self.disk = disk  # where evicted entries go (prefix_disk.py), when configured
         self.identity = identity  # of the model whose KV states this cache holds
         self._cache = LRUPromptCache(max_size=max_entries, max_bytes=max_bytes)
         self._lock = threading.Lock()
@@ -182,7 +185,7 @@ class PrefixCache:
                 continue
             if n < len(tokens) and not can_trim_prompt_cache(cache):
                 continue
-            pin.cache = _cut(cache, n)
+            pin.cache = cut_copy(cache, n)
             pin.nbytes = sum(c.nbytes for c in pin.cache)
         self._expire()
 
@@ -250,6 +253,8 @@ class PrefixCache:
         if self.max_bytes <= 0 or len(tokens) < 2:
             return None, 0
         ns = namespace or self._text_namespace
+        if self.disk is not None:
+            self._from_disk(ns, tokens)
         with self._lock:
             self._expire()
             cache, rest = self._cache.fetch_nearest_cache(ns, tokens)
@@ -307,7 +312,36 @@ class PrefixCache:
             self._hold(ns, list(tokens), cache)  # before the LRU may evict or trim it
             # the LRU gets what the pins leave of the byte budget
             self._cache.max_bytes = max(0, self.max_bytes - self.pinned_bytes)
+            before = self._entries_locked() if self.disk is not None else []
             self._cache.insert_cache(ns, list(tokens), cache)
+            evicted = [(n, t, c) for n, t, c in before if not self._present(n, t)
+                       and not (n == ns and tokens[:len(t)] == t)]  # not a prefix it replaced
+        for n, t, c in evicted:
+            assert self.disk is not None
+            if self.disk.wants(n, t, c):  # a copy cut to its tokens, made on this thread
+                self.disk.put(n, t, cut_copy(c, len(t)))
+
+    def _present(self, namespace: str, tokens: list[int]) -> bool:
+        try:
+            lm_internals.prompt_trie(self._cache).get(namespace, tokens)
+            return True
+        except KeyError:
+            return False
+
+    def _from_disk(self, namespace: str, tokens: list[int]) -> None:
+        """Read back the disk entry covering more of ``tokens`` than RAM does, if any."""
+        assert self.disk is not None
+        entry, n = self.disk.longest(namespace, tokens)
+        if entry is None or n < 2 or n <= self.peek(tokens, namespace):
+            return
+        cache = self.disk.read(entry)
+        if cache is not None:
+            self.insert(list(entry.tokens), cache, namespace)
+
+    def close(self) -> None:
+        """Finish the disk tier's queued writes (model unloading)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def clear(self) -> None:
         with self._lock:
@@ -317,11 +351,14 @@ class PrefixCache:
     def entries(self) -> list[tuple[str, list[int], list[Any]]]:
         """Every cached (namespace, tokens, cache), least recently used first."""
         with self._lock:
-            out = []
-            for namespace, toks in lm_internals.lru_entries(self._cache):
-                entry = lm_internals.prompt_trie(self._cache).get(namespace, toks)
-                out.append((namespace, list(toks), entry.prompt_cache))
-            return out
+            return self._entries_locked()
+
+    def _entries_locked(self) -> list[tuple[str, list[int], list[Any]]]:
+        out = []
+        for namespace, toks in lm_internals.lru_entries(self._cache):
+            entry = lm_internals.prompt_trie(self._cache).get(namespace, toks)
+            out.append((namespace, list(toks), entry.prompt_cache))
+        return out
 
     def save(self, folder: Path) -> int:
         """Write every entry to ``folder`` (replacing it atomically); returns the count."""

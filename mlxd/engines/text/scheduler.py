@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlxd.engines.device import release_free_memory
 from mlxd.engines.text.decoder import Decoder, DraftCounting, SerialDecoder
 from mlxd.engines.text.input_processor import PreparedPrompt
+from mlxd.engines.text.kv_admission import KVLedger
 from mlxd.engines.text.prefix_cache import PrefixCache
 from mlxd.engines.text.sampling import (
     Sampler,
@@ -119,6 +120,19 @@ class Sequence:
     n_cached: int = 0  # prompt tokens resumed from the prefix cache, set on admission
     prefilled: int = 0  # prompt tokens in its cache so far (shared_prefix.py)
     submitted_at: float = field(default_factory=time.monotonic)
+    generated: list[int] = field(default_factory=list)  # its output token ids so far
+    resumed_from: int = 0  # output tokens folded into ``prompt`` by a preemption
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens its KV state holds once prefilled: its prompt and output so far."""
+        return len(self.prompt.tokens) - self.resumed_from + len(self.generated)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a preemption can resume it exactly: no logits processor keeps state
+        (a grammar) across its tokens."""
+        return self.processor_factory is None and not self.extra_processors
 
     @property
     def prompt_tokens(self) -> list[int]:
@@ -379,6 +393,8 @@ class BatchScheduler(SchedulerBase):
         self.checkpoint_before_last = checkpoint_before_last
         self._decode_step_s: float | None = None  # moving average per decode step
         self._prefill_tps: float | None = None  # moving average prompt tokens/s
+        # admission by live KV (kv_admission.py), set by the engine when a budget applies
+        self.kv: KVLedger | None = None
 
     def _reset_after_failure(self) -> None:
         self.decoder.reset()
@@ -389,12 +405,16 @@ class BatchScheduler(SchedulerBase):
             if counts is not None:
                 seq.pipeline.accepted_prediction_tokens, seq.pipeline.rejected_prediction_tokens \
                     = counts
+        if self.kv is not None:
+            self.kv.release(seq.seq_id)
         super()._finish(seq, reason, error)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         if isinstance(self.decoder, DraftCounting):
             out["draft_accepted"], out["draft_rejected"] = self.decoder.draft_totals()
+        if self.kv is not None:
+            out["kv"] = self.kv.stats()
         return out
 
     def cache_nbytes(self) -> int:
@@ -406,17 +426,24 @@ class BatchScheduler(SchedulerBase):
         if cancelled:
             self._remove([s for s in self.running.values() if s.seq_id in cancelled], "cancelled")
         held = []
-        for seq in admitted:
+        for i, seq in enumerate(admitted):
             if self.share_prefills and waits_for_peer(
                     seq, self.running.values(), self.prefix_cache, self.checkpoint_before_last):
                 held.append(seq)
                 continue
+            if not self._fits_memory(seq):  # it and those after it wait, in order
+                held.extend(admitted[i:])
+                break
             try:
                 self._admit(seq)
             except Exception as e:  # one request's setup must never strand the others
                 self._fail_setup(seq, e)
         self._requeue(held)
+        if self.kv is not None:
+            self._make_kv_room()
         if not self.running:
+            if held:  # waiting for memory other models hold: do not spin
+                time.sleep(0.02)
             return
         decoding = any(s.pipeline.completion_tokens for s in self.running.values())
         decoder = self.decoder
@@ -445,6 +472,7 @@ class BatchScheduler(SchedulerBase):
                 self._emit(seq, seq.pipeline.count_eos(self._logprob(seq, r.token, r.logprobs)))
             else:
                 self._emit(seq, seq.pipeline.feed(r.token, self._logprob(seq, r.token, r.logprobs)))
+            seq.generated.append(r.token)
             if r.finish_reason is not None:
                 del self.running[r.uid]
                 if r.prompt_cache:
@@ -478,6 +506,50 @@ class BatchScheduler(SchedulerBase):
             self._prefill_tps = tps if self._prefill_tps is None else \
                 0.7 * self._prefill_tps + 0.3 * tps
 
+    def _fits_memory(self, seq: Sequence) -> bool:
+        """Admission by live KV: grant what ``seq`` is expected to hold, if it fits."""
+        kv = self.kv
+        if kv is None:
+            return True
+        n_prompt = len(seq.prompt.tokens) - seq.resumed_from
+        need = kv.need(n_prompt, len(seq.generated), seq.max_tokens, seq.prompt.context_limited)
+        fits = kv.admit(seq.seq_id, need)
+        kv.waiting_for_memory = 0 if fits else len(self._waiting) + 1
+        return fits
+
+    def _make_kv_room(self) -> None:
+        """Before a step: grow the grants of sequences that reach them; preempt the newest
+        sequences when the grants would outgrow the allowance (kv_admission.py)."""
+        assert self.kv is not None
+        seqs = {s.seq_id: s for s in self.running.values()}
+        preempted, ended = self.kv.grow(
+            (s.seq_id, s.submitted_at, s.kv_tokens + 1,
+             len(s.prompt.tokens) - s.resumed_from + s.max_tokens, s.resumable)
+            for s in seqs.values())
+        if ended:
+            self._remove([seqs[i] for i in ended], "length", keep_cache=True)
+        if preempted:
+            self._preempt([seqs[i] for i in preempted])
+
+    def _preempt(self, seqs: list[Sequence]) -> None:
+        """Move sequences out of the batch, their KV state to the prefix cache, and requeue
+        them at the head of the queue: each resumes from its prompt plus what it generated,
+        most of it from the cache."""
+        caches = self.decoder.remove([s.uid for s in seqs], return_caches=True)
+        for seq in seqs:
+            self.running.pop(seq.uid, None)
+            found = caches.get(seq.uid)
+            if found:
+                cache, toks = found
+                self._cache(list(toks), cache, seq.cache_key)
+            log.info("request %s (prompt %d tokens) preempted for KV memory after %d output "
+                     "tokens", seq.seq_id, len(seq.prompt.tokens) - seq.resumed_from,
+                     len(seq.generated))
+            seq.prompt = replace(seq.prompt, tokens=seq.prompt.tokens + seq.generated[
+                seq.resumed_from:])
+            seq.resumed_from = len(seq.generated)
+        self._requeue(sorted(seqs, key=lambda s: s.submitted_at))
+
     def _admit(self, seq: Sequence) -> None:
         prompt = seq.prompt
         cache, n_cached = None, 0
@@ -487,12 +559,13 @@ class BatchScheduler(SchedulerBase):
             # after the fetch: a key's new pin replaces the one this prompt resumes from
             self.prefix_cache.pin_prompt(prompt.tokens, prompt.cache_pins, prompt.cache_key,
                                          seq.cache_key)
-        seq.pipeline.set_cached_tokens(n_cached)
+        if not seq.resumed_from:  # a preempted sequence's usage and wait were counted
+            seq.pipeline.set_cached_tokens(n_cached)
+            seq.admitted()
         seq.n_cached = seq.prefilled = n_cached
-        seq.admitted()
         uid = self.decoder.insert(
             prompt, n_cached, cache, self._guarded_sampler(seq), self._guarded_processors(seq),
-            seq.stop_token_ids, seq.max_tokens)
+            seq.stop_token_ids, seq.max_tokens - len(seq.generated))
         seq.uid = uid
         self.running[uid] = seq
 

@@ -64,6 +64,11 @@ class ManagerCollector:
                                         "model confirmed (speculative decoding)", labels=["model"])
         drafts_bad = CounterMetricFamily("mlxd_speculative_rejected_tokens", "Draft tokens the "
                                          "model refused (speculative decoding)", labels=["model"])
+        disk_bytes = GaugeMetricFamily("mlxd_prefix_cache_disk_bytes", "Bytes the prefix "
+                                       "cache's disk tier holds", labels=["model"])
+        disk_reads = CounterMetricFamily("mlxd_prefix_cache_disk_reads", "Entries read back "
+                                         "from the prefix cache's disk tier", labels=["model"])
+        kv = _KVGauges()
         group = _GroupGauges()
         for res in manager.residencies():
             for s in State:
@@ -75,6 +80,9 @@ class ManagerCollector:
             running.add_metric([res.name], stats.get("running", 0))
             waiting.add_metric([res.name], stats.get("waiting", 0))
             cache.add_metric([res.name], stats.get("prefix_cache_bytes", 0))
+            if "prefix_cache_disk_bytes" in stats:
+                disk_bytes.add_metric([res.name], stats["prefix_cache_disk_bytes"])
+                disk_reads.add_metric([res.name], stats["prefix_cache_disk_reads"])
             hits.add_metric([res.name], stats.get("prefix_cache_hits", 0))
             lookups.add_metric([res.name], stats.get("prefix_cache_hits", 0) +
                                stats.get("prefix_cache_misses", 0))
@@ -84,10 +92,47 @@ class ManagerCollector:
             if "draft_accepted" in stats:
                 drafts_ok.add_metric([res.name], stats["draft_accepted"])
                 drafts_bad.add_metric([res.name], stats["draft_rejected"])
+            if stats.get("kv") is not None:
+                kv.add(res.name, stats["kv"])
             if isinstance(stats.get("group"), dict):
                 group.add(res.name, stats["group"])
         yield from (state, memory, loads, leases, running, waiting, cache, hits, lookups, steps,
-                    batch, drafts_ok, drafts_bad, *group.families())
+                    batch, drafts_ok, drafts_bad, disk_bytes, disk_reads, *kv.families(),
+                    *group.families())
+
+
+class _KVGauges:
+    """Admission by live KV (engines/text/kv_admission.py): what running sequences hold and are
+    granted, the allowance, preemptions and sequences waiting for memory."""
+
+    def __init__(self) -> None:
+        self.live = GaugeMetricFamily("mlxd_kv_live_bytes", "KV bytes the running sequences "
+                                      "hold", labels=["model"])
+        self.granted = GaugeMetricFamily("mlxd_kv_granted_bytes", "KV bytes granted to the "
+                                         "running sequences (what admission counts)",
+                                         labels=["model"])
+        self.peak = GaugeMetricFamily("mlxd_kv_peak_live_bytes", "Most KV bytes the running "
+                                      "sequences held at once", labels=["model"])
+        self.allowance = GaugeMetricFamily("mlxd_kv_allowance_bytes", "KV bytes the budget "
+                                           "leaves the model (at the last check)",
+                                           labels=["model"])
+        self.preemptions = CounterMetricFamily("mlxd_kv_preemptions", "Sequences preempted "
+                                               "to keep KV within the allowance",
+                                               labels=["model"])
+        self.waiting = GaugeMetricFamily("mlxd_kv_waiting_for_memory", "Queued sequences "
+                                         "waiting for KV memory", labels=["model"])
+
+    def add(self, model: str, stats: Any) -> None:
+        self.live.add_metric([model], stats.live_bytes)
+        self.granted.add_metric([model], stats.granted_bytes)
+        self.peak.add_metric([model], stats.peak_live_bytes)
+        self.allowance.add_metric([model], stats.allowance_bytes)
+        self.preemptions.add_metric([model], stats.preemptions)
+        self.waiting.add_metric([model], stats.waiting_for_memory)
+
+    def families(self) -> list[Any]:
+        return [self.live, self.granted, self.peak, self.allowance, self.preemptions,
+                self.waiting]
 
 
 class _GroupGauges:

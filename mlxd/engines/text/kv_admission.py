@@ -1,0 +1,210 @@
+"""Admission by live KV: a model's running sequences never hold more KV than the budget leaves.
+
+Every running sequence is counted in tokens. It *holds* its prompt plus what it has
+generated so far; it is *granted* what it is expected to hold: its prompt plus its
+output limit, or, when that limit is only "the rest of the context" (the request asked
+for none and the server has no default), its prompt plus ``--kv-output-estimate``
+tokens (1024). A sequence that reaches its grant asks for ``GROW_TOKENS`` more before
+its next token;
+when the grants would then exceed the allowance, the newest sequences are preempted
+(the scheduler moves their KV to the prefix cache and requeues them). A sequence left
+alone that still cannot grow ends with ``finish_reason: length``: memory, like the
+context, is where it stops.
+
+Bytes are tokens x ``bytes_per_token`` (K and V of every attention layer at the cache's
+dtype). The allowance is the memory budget less what other models hold (read from the
+``ModelManager`` through the worker's ``budget`` callback), this model's weights and
+its prefix cache's cap. A request whose prompt and output limit exceed the allowance
+with no other model loaded can never run: it is refused at once with the numbers.
+
+The counts are the scheduler's own: the batch buffer underneath rounds rows up and
+pads them to the longest (``Decoder.cache_nbytes`` reports those bytes), which the
+static KV reserve of the model's estimate covers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from mlxd.engines.text.input_processor import PreparedPrompt
+from mlxd.errors import InvalidRequest
+from mlxd.models.memory import kv_bytes_per_token
+
+# Output tokens a request without an output limit is expected to generate (``--kv-output-
+# estimate``; it may grow past it, GROW_TOKENS at a time, while memory allows).
+OUTPUT_ESTIMATE = 1024
+GROW_TOKENS = 256
+
+
+@dataclass
+class KVStats:
+    """What ``/metrics`` shows of admission by live KV."""
+
+    live_bytes: int = 0  # KV the running sequences hold now
+    granted_bytes: int = 0  # KV they are expected to hold (admission counts this)
+    peak_live_bytes: int = 0
+    allowance_bytes: int = 0  # at the last check
+    preemptions: int = 0
+    waiting_for_memory: int = 0  # queued sequences that the allowance holds back now
+
+
+class KVLedger:
+    """Grants of KV per running sequence, against an allowance (worker thread; ``stats``
+    from any thread)."""
+
+    def __init__(self, bytes_per_token: int, budget: Callable[[], tuple[int, int]],
+                 own_bytes: Callable[[], int], output_estimate: int = OUTPUT_ESTIMATE) -> None:
+        self.bytes_per_token = max(1, bytes_per_token)
+        self.output_estimate = max(1, output_estimate)
+        self._budget = budget  # (budget, bytes other models hold)
+        self._own = own_bytes  # this model's weights and prefix cache cap
+        self._grants: dict[str, int] = {}  # seq_id -> granted tokens
+        self._held: dict[str, int] = {}  # seq_id -> held tokens at the last check
+        self._lock = threading.Lock()
+        self.peak_live_tokens = 0
+        self.preemptions = 0
+        self.waiting_for_memory = 0
+        self._allowance = 0
+
+    # -- allowances ---------------------------------------------------------
+    def allowance_alone(self) -> int:
+        """KV bytes this model may hold with no other model loaded."""
+        budget, _ = self._budget()
+        return max(0, budget - self._own())
+
+    def allowance(self) -> int:
+        """KV bytes this model may hold beside the other models loaded now."""
+        budget, others = self._budget()
+        self._allowance = max(0, budget - others - self._own())
+        return self._allowance
+
+    # -- per request --------------------------------------------------------
+    def refuse_never_fitting(self, prompt: PreparedPrompt) -> None:
+        """400 for a request that could not run even alone: its prompt and output limit
+        (one token when the limit is only the rest of the context) exceed the allowance."""
+        n_prompt = len(prompt.tokens)
+        output = 1 if prompt.context_limited else prompt.max_tokens
+        tokens = n_prompt + output
+        allowance = self.allowance_alone()
+        if tokens * self.bytes_per_token <= allowance:
+            return
+        raise InvalidRequest(
+            f"This request needs KV memory for {tokens} tokens ({n_prompt} prompt + {output} "
+            f"output) x {self.bytes_per_token} bytes per token = "
+            f"{tokens * self.bytes_per_token} bytes, more than this model's KV allowance of "
+            f"{allowance} bytes (memory budget less its weights and prefix cache). Shorten "
+            f"the prompt, lower max_tokens, or raise --memory-budget.",
+            param="max_tokens" if not prompt.context_limited else "messages",
+            code="kv_memory_exceeded")
+
+    def need(self, n_prompt: int, generated: int, max_tokens: int, context_limited: bool) -> int:
+        """Tokens a sequence is expected to hold, from where it stands. Without an output
+        limit of its own, never more than the allowance alone holds (it grows from there)."""
+        held = n_prompt + generated
+        remaining = max(0, max_tokens - generated)
+        if not context_limited:
+            return held + remaining
+        remaining = min(remaining, max(self.output_estimate - generated, GROW_TOKENS))
+        alone = self.allowance_alone() // self.bytes_per_token
+        return max(held + 1, min(held + remaining, alone))
+
+    def admit(self, seq_id: str, need: int) -> bool:
+        """Grant ``need`` tokens if they fit beside the grants running now."""
+        with self._lock:
+            granted = sum(self._grants.values())
+        if (granted + need) * self.bytes_per_token > self.allowance():
+            return False
+        with self._lock:
+            self._grants[seq_id] = need
+        return True
+
+    def release(self, seq_id: str) -> None:
+        with self._lock:
+            self._grants.pop(seq_id, None)
+            self._held.pop(seq_id, None)
+
+    def grow(self, running: Iterable[tuple[str, float, int, int, bool]]
+             ) -> tuple[list[str], list[str]]:
+        """Before a step: every sequence's next token must fit its grant. ``running`` is
+        (seq_id, submitted_at, held tokens after this step, most tokens it may hold,
+        whether it can be preempted and resumed). Returns (preempted, ended): sequences
+        to move out, newest first, so that the others' grants fit, and sequences that
+        cannot grow with nothing left to preempt (they end at length)."""
+        rows = sorted(running, key=lambda r: r[1])  # oldest first
+        allowance = self.allowance() // self.bytes_per_token
+        preempted: list[str] = []
+        ended: list[str] = []
+        with self._lock:
+            for seq_id, _, held, _, _ in rows:
+                self._held[seq_id] = held
+            for seq_id, _, held, most, _ in rows:
+                if seq_id in preempted or held <= self._grants.get(seq_id, 0):
+                    continue
+                want = max(held, min(held + GROW_TOKENS, most))
+                while sum(self._grants.values()) - self._grants.get(seq_id, 0) + want > allowance:
+                    newest = [r[0] for r in reversed(rows) if r[4] and r[0] not in preempted
+                              and r[0] in self._grants]
+                    if not newest:
+                        break  # nothing left to preempt
+                    victim = newest[0]
+                    preempted.append(victim)
+                    self._grants.pop(victim, None)
+                    self._held.pop(victim, None)
+                    if victim == seq_id:
+                        break
+                if seq_id in preempted:
+                    continue
+                if sum(self._grants.values()) - self._grants.get(seq_id, 0) + want > allowance:
+                    want = max(allowance - (sum(self._grants.values())
+                                            - self._grants.get(seq_id, 0)), 0)
+                    if want < held:
+                        ended.append(seq_id)
+                        self._held.pop(seq_id, None)
+                        continue
+                self._grants[seq_id] = want
+            live = sum(self._held.values())
+            self.peak_live_tokens = max(self.peak_live_tokens, live)
+        self.preemptions += len(preempted)
+        return preempted, ended
+
+    def granted_bytes(self) -> int:
+        with self._lock:
+            return sum(self._grants.values()) * self.bytes_per_token
+
+    def stats(self) -> KVStats:
+        with self._lock:
+            live = sum(self._held.values())
+            granted = sum(self._grants.values())
+        bpt = self.bytes_per_token
+        return KVStats(live_bytes=live * bpt, granted_bytes=granted * bpt,
+                       peak_live_bytes=self.peak_live_tokens * bpt,
+                       allowance_bytes=self._allowance, preemptions=self.preemptions,
+                       waiting_for_memory=self.waiting_for_memory)
+
+
+def cache_dtype_bytes(model: Any) -> int:
+    """Bytes of one KV element: the model's floating-point parameters' dtype (a quantized
+    model's scales carry the dtype its activations, and so its KV cache, run in)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    for item in tree_flatten(model.parameters()):
+        value = item[1]
+        if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+            return int(value.dtype.size)
+    return 4
+
+
+def kv_ledger(model: Any, config: dict[str, Any], budget: Callable[[], tuple[int, int]] | None,
+              own_bytes: Callable[[], int],
+              output_estimate: int = OUTPUT_ESTIMATE) -> KVLedger | None:
+    """The ledger of a model served under a memory budget (None without one). Bytes per
+    token count K and V of every layer (a hybrid's recurrent layers are counted as
+    attention: an over-estimate)."""
+    if budget is None:
+        return None
+    per_token = kv_bytes_per_token(config, cache_dtype_bytes(model))
+    return KVLedger(per_token, budget, own_bytes, output_estimate) if per_token else None
