@@ -171,6 +171,10 @@ class STTEngine:
                 result = run_mlx_audio(self.model, request, on_text)
         finally:
             self._on_text = None
+            # The freed buffers of the job's peak (8 windows through the encoder when
+            # batched) go back to the system instead of staying in MLX's cache between
+            # requests, where the memory budget does not see them.
+            mx.clear_cache()
         with self._lock:
             self._counts["audio_seconds"] += duration
             self._counts["busy_seconds"] += time.monotonic() - t0
