@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from mlxd.engines.audio.stt_batched import speech_spans, windows
+from mlxd.engines.base import Chunking
 from tests.helpers.audio import SENTENCES, decode, wav, word_error_rate, words
 from tests.test_audio_stt import MAX_WER, MODEL, ServeProcess, server, speak
 
@@ -188,3 +190,37 @@ def test_soak_holds_speed_and_memory(client: Any, server: ServeProcess) -> None:
     # only a slowdown past that spread fails.
     assert last <= first * 1.5, cpu
     assert max(rss[2:]) - rss[1] <= 40, rss
+
+
+def _bursts(seconds: list[float], pause: float) -> tuple[np.ndarray, list[tuple[float, float]]]:
+    """Noise bursts (speech-loud) of ``seconds`` each, ``pause`` of silence between."""
+    rng = np.random.default_rng(0)
+    parts, spans, at = [], [], 0.0
+    for length in seconds:
+        parts += [0.3 * rng.standard_normal(int(length * RATE)).astype(np.float32),
+                  np.zeros(int(pause * RATE), np.float32)]
+        spans.append((at, at + length))
+        at += length + pause
+    return np.concatenate(parts), spans
+
+
+def test_windows_are_cut_in_the_pauses_and_at_most_30_s() -> None:
+    audio, spans = _bursts([6.0] * 9, 1.0)  # 63 s
+    cuts = [(a / RATE, b / RATE) for a, b in windows(audio, Chunking())]
+    assert len(cuts) == 3 and all(0 < b - a <= 30 for a, b in cuts), cuts
+    for a, b in cuts:  # every window edge lies in a pause, with the padding kept
+        for s, e in spans:
+            assert not s < a < e and not s < b < e, (cuts, spans)
+    assert all(b1 <= a2 for (_, b1), (a2, _) in itertools.pairwise(cuts))
+    # pauses shorter than silence_duration_ms do not end the speech: one stretch (to
+    # the last burst's end plus the 0.3 s padding)
+    assert speech_spans(audio, Chunking(silence_duration_ms=1500)) == [(0, int(62.3 * RATE))]
+
+
+def test_speech_longer_than_a_window_is_cut_at_its_quietest_frame() -> None:
+    audio, _ = _bursts([70.0], 0.0)
+    audio[int(25 * RATE):int(25.2 * RATE)] *= 0.01  # a dip 25 s in
+    cuts = windows(audio, Chunking())
+    assert all(b - a <= 30 * RATE for a, b in cuts) and cuts[0][0] == 0
+    assert 25.0 <= cuts[0][1] / RATE <= 25.2, cuts  # inside the dip
+    assert cuts[-1][1] == len(audio) and sum(b - a for a, b in cuts) == len(audio)
