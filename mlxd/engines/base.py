@@ -143,6 +143,22 @@ class Reranker(ModelEngine, Protocol):
 # -- speech to text (/v1/audio/transcriptions, /v1/audio/translations) -----------
 
 @dataclass(frozen=True)
+class Chunking:
+    """How a long recording is cut into Whisper's 30-s windows (``chunking_strategy``).
+
+    ``batched``: at pauses (voice activity), the windows decoded together, each without
+    the previous one's text; ``sequential``: mlx-whisper's loop, window after window,
+    each conditioned on the text before; ``default``: batched when the recording is
+    longer than one window, else sequential. The VAD fields are OpenAI's ``server_vad``.
+    """
+
+    mode: Literal["default", "batched", "sequential"] = "default"
+    threshold: float = 0.5  # 0-1: higher needs louder audio to count as speech
+    silence_duration_ms: int = 400  # a shorter pause does not end the speech
+    prefix_padding_ms: int = 300  # audio kept around each stretch of speech
+
+
+@dataclass(frozen=True)
 class TranscriptionRequest:
     """One uploaded recording to transcribe (or translate into English)."""
 
@@ -153,6 +169,7 @@ class TranscriptionRequest:
     prompt: str | None = None  # text the recording continues (names, spelling, style)
     temperature: float = 0.0
     word_timestamps: bool = False  # ``timestamp_granularities`` includes "word"
+    chunking: Chunking = Chunking()
 
 
 @dataclass(frozen=True)

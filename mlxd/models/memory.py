@@ -108,7 +108,7 @@ def encoder_activation_bytes(config: dict[str, Any], batch_tokens: int,
 
 
 def speech_activation_bytes(config: dict[str, Any], audio_seconds: float,
-                            dtype_bytes: int = 4) -> int:
+                            dtype_bytes: int = 4, batch_windows: int = 8) -> int:
     """Peak activations of one Whisper-shaped transcription of the longest allowed upload.
 
     mlx-whisper takes the log-mel of the whole recording at once (plus 30 s of padding):
@@ -116,13 +116,16 @@ def speech_activation_bytes(config: dict[str, Any], audio_seconds: float,
     tiny.en on CPU: 92 MiB for 120 s, 393 MiB for 600 s; this gives 92 and 387). Then one
     30 s window through the encoder: attention scores per head over ``n_audio_ctx``
     squared, and a few residual-width buffers (measured 79 MiB for tiny.en; this gives 99).
+    A batched transcription (``engines/audio/stt_batched.py``) takes the log-mel window by
+    window but runs ``batch_windows`` windows through the encoder at once: the peak is
+    the larger of the two.
     """
     ctx = int(config.get("n_audio_ctx") or 1500)
     heads = int(config.get("n_audio_head") or 8)
     state = int(config.get("n_audio_state") or 512)
     recording = int((audio_seconds + 30) * 100 * 201 * 32)
     window = dtype_bytes * (3 * heads * ctx * ctx // 2 + 8 * ctx * state)
-    return recording + window
+    return max(recording + window, batch_windows * window)
 
 
 # The image-feature cache of each vision model (engines/vision/features.py), by bytes.

@@ -9,13 +9,25 @@ clients send extras.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 Granularity = Literal["segment", "word"]
 MAX_PROMPT_CHARS = 4096
+
+
+class ServerVad(BaseModel):
+    """OpenAI's ``chunking_strategy`` object: cut at pauses with these settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["server_vad"]
+    threshold: float = Field(0.5, ge=0.0, le=1.0, allow_inf_nan=False)
+    silence_duration_ms: int = Field(400, ge=0, le=10_000)
+    prefix_padding_ms: int = Field(300, ge=0, le=10_000)
 
 
 class TranscriptionForm(BaseModel):
@@ -32,6 +44,22 @@ class TranscriptionForm(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     timestamp_granularities: list[Granularity] = Field(default_factory=list, max_length=2)
     stream: bool = False
+    # "auto" or a server_vad object (OpenAI's), or "sequential" (mlxd's: Whisper's own
+    # window-after-window loop, each window conditioned on the text before); omitted:
+    # batched at pauses when the recording is longer than 30 s, else sequential.
+    chunking_strategy: Literal["auto", "sequential"] | ServerVad | None = None
+
+    @field_validator("chunking_strategy", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        """A multipart field is a string: an object comes as JSON (or as the SDK's
+        ``chunking_strategy[type]`` fields, gathered by the route)."""
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError("chunking_strategy is not a JSON object") from None
+        return value
 
     @model_validator(mode="after")
     def _combinations(self) -> TranscriptionForm:
@@ -62,5 +90,8 @@ def form_schema(translation: bool) -> dict[str, Any]:
         props["timestamp_granularities[]"] = {
             "type": "array", "items": {"type": "string", "enum": ["segment", "word"]}}
         props["stream"] = {"type": "boolean"}
+        props["chunking_strategy"] = {"oneOf": [
+            {"type": "string", "enum": ["auto", "sequential"]},
+            ServerVad.model_json_schema()]}
     schema = {"type": "object", "required": ["file", "model"], "properties": props}
     return {"required": True, "content": {"multipart/form-data": {"schema": schema}}}

@@ -3,7 +3,9 @@
 Whisper folders (mlx-whisper's layout: ModelDimensions in ``config.json``) run
 through mlx-whisper's window-by-window loop (``stt_whisper.py``); the
 CTranslate2 starter is converted to that layout when its source is resolved.
-Other folders whose ``model_type`` is one of mlx-audio's speech-recognition
+A recording longer than one window is cut at its pauses and its windows decoded
+as one batch (``stt_batched.py``) unless the request's ``chunking_strategy`` asks
+for the sequential loop. Other folders whose ``model_type`` is one of mlx-audio's speech-recognition
 families load through mlx-audio's loader (``stt_mlx_audio.py``).
 Weights are float32 on a CPU (MLX's float16 CPU kernels are ~8x slower) and
 float16 on a GPU. Every request runs as one job on the model's ``ModelWorker``:
@@ -26,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.config import ServerConfig
+from mlxd.engines.audio.stt_batched import run_batched, use_batched
 from mlxd.engines.audio.stt_mlx_audio import (
     check_request,
     load_mlx_audio,
@@ -40,6 +43,7 @@ from mlxd.engines.audio.stt_whisper import (
     load_whisper,
     run_whisper,
     segment_text,
+    temperatures,
 )
 from mlxd.engines.base import (
     Transcription,
@@ -165,13 +169,22 @@ class STTEngine:
         try:
             if self._transcribe is not None:
                 language = check_language(self.name, self.model, request)
-                result = run_whisper(self._transcribe, self.model, request, language,
-                                     verbose=on_text is not None)
+                if use_batched(request):
+                    result = run_batched(self.model, request, language,
+                                         temperatures(request), on_window=on_text,
+                                         check_cancelled=cancel.check)
+                else:
+                    result = run_whisper(self._transcribe, self.model, request, language,
+                                         verbose=on_text is not None)
             else:
                 check_request(self.name, request)
                 result = run_mlx_audio(self.model, request, on_text, cancel.check)
         finally:
             self._on_text = self._cancel = None
+            # The freed buffers of the job's peak (8 windows through the encoder when
+            # batched) go back to the system instead of staying in MLX's cache between
+            # requests, where the memory budget does not see them.
+            mx.clear_cache()
         with self._lock:
             self._counts["audio_seconds"] += duration
             self._counts["busy_seconds"] += time.monotonic() - t0

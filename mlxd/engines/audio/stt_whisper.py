@@ -133,14 +133,17 @@ def segment_text(line: str) -> str | None:
     return m.group(1) if m else None
 
 
+def temperatures(request: TranscriptionRequest) -> tuple[float, ...]:
+    """The temperatures to decode at, in order (OpenAI's 0: greedy, then the fallback)."""
+    return FALLBACK_TEMPERATURES if request.temperature == 0 else (request.temperature,)
+
+
 def run_whisper(transcribe: TranscribeFn, model: Any, request: TranscriptionRequest,
                 language: str | None, verbose: bool = False) -> dict[str, Any]:
     """One recording through the window-by-window loop (on the model's worker thread);
     ``verbose``: print (to the bound ``printed``) each segment as it is decoded."""
     fp16 = model.encoder.conv1.weight.dtype == mx.float16
-    temperature: float | tuple[float, ...] = (
-        FALLBACK_TEMPERATURES if request.temperature == 0 else request.temperature)
     return transcribe(request.audio, path_or_hf_repo="", verbose=True if verbose else None,
-                      temperature=temperature, initial_prompt=request.prompt or None,
+                      temperature=temperatures(request), initial_prompt=request.prompt or None,
                       word_timestamps=request.word_timestamps, language=language,
                       task=request.task, fp16=fp16)

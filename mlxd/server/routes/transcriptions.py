@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from mlxd.engines.base import TRANSCRIPTION, TranscriptionRequest
+from mlxd.engines.base import TRANSCRIPTION, Chunking, TranscriptionRequest
 from mlxd.errors import InvalidRequest, validation_text
 from mlxd.media.audio_decode import WHISPER_RATE, decode_audio, decoded_bytes, header_seconds
 from mlxd.media.audio_limits import AudioLimits
@@ -37,7 +37,8 @@ TRANSLATIONS = "/v1/audio/translations"
 Task = Literal["transcribe", "translate"]
 _LIST_FIELDS = {"timestamp_granularities[]": "timestamp_granularities",
                 "timestamp_granularities": "timestamp_granularities"}
-_TRANSCRIBE_ONLY = ("language", "timestamp_granularities", "stream")
+_CHUNKING = "chunking_strategy"
+_TRANSCRIBE_ONLY = ("language", "timestamp_granularities", "stream", _CHUNKING)
 # json / verbose_json are JSON objects; text, srt and vtt are plain text.
 RESPONSES: dict[str, Any] = {
     "description": "The transcript in ``response_format``",
@@ -52,12 +53,21 @@ def parse_form(form: MultipartForm, task: Task) -> TranscriptionForm:
     """The text fields as a validated ``TranscriptionForm`` (a 400 naming the bad field)."""
     data: dict[str, object] = {}
     for name, values in form.fields.items():
-        if name in _LIST_FIELDS:
+        if name.startswith(f"{_CHUNKING}[") and name.endswith("]") and len(values) == 1:
+            # The openai SDK sends an object field as chunking_strategy[type]=server_vad...
+            if not isinstance(data.setdefault(_CHUNKING, {}), dict):
+                raise InvalidRequest("Form field 'chunking_strategy' is given twice.",
+                                     param=_CHUNKING)
+            data[_CHUNKING][name[len(_CHUNKING) + 1:-1]] = values[0]  # type: ignore[index]
+        elif name in _LIST_FIELDS:
             data.setdefault(_LIST_FIELDS[name], [])
             data[_LIST_FIELDS[name]] += values  # type: ignore[operator]
         elif len(values) > 1:
             raise InvalidRequest(f"Form field '{name}' is given {len(values)} times.",
                                  param=name)
+        elif name == _CHUNKING and _CHUNKING in data:
+            raise InvalidRequest("Form field 'chunking_strategy' is given twice.",
+                                 param=_CHUNKING)
         else:
             data[name] = values[0]
     if task == "translate":
@@ -97,7 +107,21 @@ async def _transcription_request(
     return form, TranscriptionRequest(
         audio=audio.samples, sample_rate=audio.sample_rate, task=task,
         language=form.language, prompt=form.prompt, temperature=form.temperature,
-        word_timestamps=form.word_timestamps)
+        word_timestamps=form.word_timestamps, chunking=chunking(form))
+
+
+def chunking(form: TranscriptionForm) -> Chunking:
+    """``chunking_strategy`` as the engine reads it."""
+    strategy = form.chunking_strategy
+    if strategy is None:
+        return Chunking()
+    if strategy == "sequential":
+        return Chunking(mode="sequential")
+    if strategy == "auto":
+        return Chunking(mode="batched")
+    return Chunking(mode="batched", threshold=strategy.threshold,
+                    silence_duration_ms=strategy.silence_duration_ms,
+                    prefix_padding_ms=strategy.prefix_padding_ms)
 
 
 async def _serve(request: Request, ctx: ServerContext, task: Task, endpoint: str) -> Response:

@@ -1,0 +1,227 @@
+"""Batched long-form Whisper: cut at pauses, decode the windows as one batch.
+
+mlx-whisper's ``transcribe`` decodes a long recording one 30-s window after
+another, each conditioned on the text of the one before, so a 3-min file is six
+sequential encoder passes and six token loops of batch 1. Here the recording is
+cut where the speech pauses (an energy voice-activity detector: no model, no
+extra package) into windows of at most 30 s, and the windows run through the
+encoder and the token loop together (``mlx_whisper.decoding.decode`` takes a
+batch of mel spectrograms), without the previous window's text as a prompt, as
+faster-whisper's batched pipeline and WhisperX do. Each window's timestamp tokens
+become segments at absolute times (window start + token position x 20 ms); word
+timings come from mlx-whisper's cross-attention alignment, window by window.
+
+Temperature fallback is OpenAI's: a window whose text looks like a failure
+(too repetitive, too improbable) is decoded again at the next temperature, the
+failing windows of a batch together. A window Whisper scores as no speech (and
+improbable) yields no segment, as in the sequential loop.
+
+Everything here is mlx-whisper's public API (``decode``, ``DecodingOptions``,
+``log_mel_spectrogram``, ``add_word_timestamps``, the model's ``detect_language``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxd.engines.base import Chunking, TranscriptionRequest
+
+RATE = 16_000
+WINDOW_SECONDS = 30.0
+FRAME = 320  # 20 ms: the VAD's frame, a multiple of Whisper's 160-sample hop
+# OpenAI's thresholds for the fallback and the no-speech skip (mlx_whisper.transcribe's).
+COMPRESSION_RATIO_MAX = 2.4
+LOGPROB_MIN = -1.0
+NO_SPEECH_MIN = 0.6
+# Windows through the encoder and the token loop at once (the attention scores of
+# large-v3's encoder are ~90 MB per window in float16, per layer, while it runs).
+BATCH_SIZE = 8
+
+
+def speech_spans(audio: np.ndarray, vad: Chunking) -> list[tuple[int, int]]:
+    """Stretches of speech as (start, end) sample offsets, padded, frame aligned.
+
+    OpenAI's ``server_vad`` knobs, read for an energy detector: a 20-ms frame is speech
+    when its RMS reaches ``threshold`` x 10% of the recording's loud level (its
+    95th-percentile frame), so 0.5 is 26 dB below it; a pause shorter than
+    ``silence_duration_ms`` does not end the speech; ``prefix_padding_ms`` of audio is
+    kept around each stretch.
+    """
+    n = len(audio) // FRAME
+    if n == 0:
+        return [(0, len(audio))] if len(audio) else []
+    frames = audio[: n * FRAME].astype(np.float32).reshape(n, FRAME)
+    rms = np.sqrt(np.mean(frames * frames, axis=1))
+    loud = float(np.percentile(rms, 95))
+    speech = rms >= max(loud * 0.1 * vad.threshold, 1e-4)
+    min_gap = max(1, round(vad.silence_duration_ms / 20))
+    pad = round(vad.prefix_padding_ms / 20)
+    spans: list[list[int]] = []
+    for i in np.flatnonzero(speech):
+        if spans and i - spans[-1][1] < min_gap:
+            spans[-1][1] = int(i) + 1
+        else:
+            spans.append([int(i), int(i) + 1])
+    out: list[tuple[int, int]] = []
+    prev_end = 0
+    for k, (s, e) in enumerate(spans):
+        lo = max(s - pad, prev_end)
+        hi = min(e + pad, spans[k + 1][0] if k + 1 < len(spans) else n)
+        out.append((lo * FRAME, len(audio) if hi == n else hi * FRAME))
+        prev_end = hi
+    return out
+
+
+def windows(audio: np.ndarray, vad: Chunking,
+            max_seconds: float = WINDOW_SECONDS) -> list[tuple[int, int]]:
+    """Windows of at most ``max_seconds``, cut at pauses: consecutive stretches of speech
+    join a window while it stays within the limit; a longer stretch is cut at its
+    quietest frame in its last third (hop aligned)."""
+    limit = int(max_seconds * RATE)
+    out: list[tuple[int, int]] = []
+    for s, e in speech_spans(audio, vad):
+        while e - s > limit:
+            lo, hi = s + 2 * limit // 3, s + limit
+            frames = audio[lo:hi][: (hi - lo) // FRAME * FRAME].reshape(-1, FRAME)
+            cut = lo + int(np.argmin(np.abs(frames).mean(axis=1))) * FRAME
+            cut = cut if cut > s else s + limit
+            _join(out, s, cut, limit)
+            s = cut
+        _join(out, s, e, limit)
+    return out
+
+
+def _join(out: list[tuple[int, int]], s: int, e: int, limit: int) -> None:
+    if out and e - out[-1][0] <= limit:
+        out[-1] = (out[-1][0], e)
+    else:
+        out.append((s, e))
+
+
+def use_batched(request: TranscriptionRequest) -> bool:
+    """The request's chunking: ``default`` batches a recording longer than one window."""
+    if request.chunking.mode == "default":
+        return len(request.audio) > WINDOW_SECONDS * RATE
+    return request.chunking.mode == "batched"
+
+
+def run_batched(model: Any, request: TranscriptionRequest, language: str | None,
+                temperatures: tuple[float, ...], batch_size: int = BATCH_SIZE,
+                on_window: Callable[[str], None] | None = None,
+                check_cancelled: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """``request`` as mlx-whisper's result dict (``text``, ``segments``, ``language``);
+    ``on_window`` gets each window's text, in order, as its batch finishes;
+    ``check_cancelled`` runs before each batch (it raises when the job was cancelled)."""
+    from mlx_whisper.audio import N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
+    from mlx_whisper.decoding import DecodingOptions, decode
+    from mlx_whisper.timing import add_word_timestamps
+    from mlx_whisper.tokenizer import get_tokenizer
+
+    fp16 = model.encoder.conv1.weight.dtype == mx.float16
+    dtype = mx.float16 if fp16 else mx.float32
+    audio = np.asarray(request.audio, dtype=np.float32)
+    cuts = windows(audio, request.chunking)
+
+    def mel_of(span: tuple[int, int]) -> mx.array:
+        mel = log_mel_spectrogram(audio[span[0]:span[1]], n_mels=model.dims.n_mels,
+                                  padding=N_SAMPLES)
+        return pad_or_trim(mel, N_FRAMES, axis=-2).astype(dtype)
+
+    if language is None and cuts:  # detect once, on the first window, as transcribe does
+        _, probs = model.detect_language(mel_of(cuts[0]))
+        language = str(max(probs, key=probs.get))
+    language = language or "en"
+    tokenizer = get_tokenizer(model.is_multilingual, num_languages=model.num_languages,
+                              language=language, task=request.task)
+    base = DecodingOptions(task=request.task, language=language, fp16=fp16,
+                           prompt=request.prompt or None)
+    segments: list[dict[str, Any]] = []
+    texts: list[str] = []
+    last_speech = 0.0
+    for b in range(0, len(cuts), batch_size):
+        check_cancelled()
+        spans = cuts[b:b + batch_size]
+        mels = [mel_of(s) for s in spans]
+        results = _decode_with_fallback(decode, base, model, mels, temperatures)
+        for span, mel, result in zip(spans, mels, results, strict=True):
+            if (result.no_speech_prob > NO_SPEECH_MIN
+                    and result.avg_logprob < LOGPROB_MIN):
+                continue
+            window = _segments(result, tokenizer, span)
+            if request.word_timestamps and window:
+                add_word_timestamps(segments=window, model=model, tokenizer=tokenizer,
+                                    mel=mel, num_frames=(span[1] - span[0]) // 160,
+                                    last_speech_timestamp=last_speech)
+                words_end = [w["end"] for s in window for w in s.get("words") or []]
+                last_speech = max(words_end, default=last_speech)
+            segments.extend(window)
+            text = "".join(s["text"] for s in window)
+            texts.append(text)
+            if on_window is not None and text.strip():
+                on_window(text)
+        del mels, results
+    for i, seg in enumerate(segments):
+        seg["id"] = i
+    return {"text": "".join(texts), "segments": segments, "language": language}
+
+
+def _decode_with_fallback(decode: Any, base: Any, model: Any, mels: list[mx.array],
+                          temperatures: tuple[float, ...]) -> list[Any]:
+    """Each window's result at the first temperature it does not fail at (the failing
+    windows of the batch decoded again together)."""
+    from dataclasses import replace
+
+    results: list[Any] = [None] * len(mels)
+    pending = list(range(len(mels)))
+    for t in temperatures:
+        batch = mx.stack([mels[i] for i in pending])
+        decoded = decode(model, batch, replace(base, temperature=t))
+        retry = []
+        for i, r in zip(pending, decoded, strict=True):
+            results[i] = r
+            failed = (r.compression_ratio > COMPRESSION_RATIO_MAX
+                      or r.avg_logprob < LOGPROB_MIN)
+            if failed and not r.no_speech_prob > NO_SPEECH_MIN:
+                retry.append(i)
+        pending = retry
+        if not pending:
+            break
+    return results
+
+
+def _segments(result: Any, tokenizer: Any, span: tuple[int, int]) -> list[dict[str, Any]]:
+    """The window's timestamp-delimited segments at absolute times (clamped to the
+    window): ``<|t0|> text <|t1|>`` pairs; text after the last timestamp runs to the
+    window's end; no timestamp at all, one segment for the window."""
+    begin = tokenizer.timestamp_begin
+    offset, end_of_window = span[0] / RATE, (span[1] - span[0]) / RATE
+    out: list[dict[str, Any]] = []
+    start: float | None = None
+    text_tokens: list[int] = []
+    pieces: list[tuple[float, float, list[int]]] = []
+    for tok in result.tokens:
+        if tok >= begin:
+            t = min((tok - begin) * 0.02, end_of_window)
+            if start is not None and text_tokens:
+                pieces.append((start, t, text_tokens))
+                text_tokens = []
+                start = None
+            else:
+                start = t
+        elif tok < tokenizer.eot:
+            if start is None:
+                start = pieces[-1][1] if pieces else 0.0
+            text_tokens.append(tok)
+    if text_tokens:
+        pieces.append((start or 0.0, end_of_window, text_tokens))
+    for s, e, toks in pieces:
+        out.append({"seek": span[0] // 160, "start": offset + s, "end": offset + max(s, e),
+                    "text": tokenizer.decode(toks), "tokens": toks,
+                    "temperature": result.temperature, "avg_logprob": result.avg_logprob,
+                    "compression_ratio": result.compression_ratio,
+                    "no_speech_prob": result.no_speech_prob})
+    return out
