@@ -83,3 +83,6 @@ class GenerationRequest:
     # Keeps this request's prefix-cache entries apart from requests with another
     # salt (vLLM's ``cache_salt``); None shares with every unsalted request.
     cache_salt: str | None = None
+    # The LoRA adapter (its served name) the request runs with; set by the server from
+    # the requested model name, never by a client. None: the base model.
+    adapter: str | None = None

@@ -104,6 +104,8 @@ class ModelEntry(BaseModel):
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     draft_model: str | None = None  # a text model's draft model (source), --draft-model
+    # LoRA adapters served over this text model: served name -> mlx-lm adapter folder
+    adapters: dict[str, str] = Field(default_factory=dict)
     sha256: str | None = None
     qualification: dict[str, Any] | None = None
     description: str | None = None

@@ -81,6 +81,7 @@ class PreparedPrompt:
     grammar: str | None = None
     media: tuple[MediaItem, ...] = ()  # in prompt order; text models have none
     cache_salt: str | None = None  # separates prefix-cache entries (vLLM's cache_salt)
+    adapter_slot: int = 0  # the LoRA adapter the prompt runs with (0: the base model)
     # Token offsets inside the prompt worth a prefix-cache checkpoint (where the leading
     # system messages end), for models whose cache cannot be cut back to a prefix.
     checkpoints: tuple[int, ...] = ()
