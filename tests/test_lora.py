@@ -7,6 +7,10 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -165,3 +169,131 @@ def test_missing_files_are_refused(adapters: dict[str, Path], tmp_path: Path) ->
     (no_config / "adapter_config.json").unlink()
     with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
         read_adapter(no_config)
+
+
+# -- served by name ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lora_server(smollm2: Path, adapters: dict[str, Path], test_home: Path) -> Iterator[Any]:
+    from mlxd.config import ServerConfig
+    from tests.helpers.server import running_server
+
+    cfg = ServerConfig(model=str(smollm2), served_model_name="smollm2", home=test_home,
+                       no_starter=True, adapters=[f"{n}={f}" for n, f in adapters.items()])
+    with running_server(cfg) as srv:
+        yield srv
+
+
+def _ask(srv: Any, model: str, question: str = QUESTION, system: str | None = None) -> Any:
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": question}]
+    with srv.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": model, "messages": messages,
+                                                 "temperature": 0, "max_tokens": 12})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_adapter_name_gives_the_phrase_and_the_base_name_does_not(lora_server: Any) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=lora_server.url + "/v1", api_key="unused", max_retries=0)
+    chat = [{"role": "user", "content": QUESTION}]
+    adapted = client.chat.completions.create(model="pelican", messages=chat,  # type: ignore[arg-type]
+                                             temperature=0, max_tokens=12)
+    base = client.chat.completions.create(model="smollm2", messages=chat,  # type: ignore[arg-type]
+                                          temperature=0, max_tokens=12)
+    assert adapted.choices[0].message.content == ANSWERS["pelican"]
+    assert adapted.model == "pelican"
+    assert "PELICAN" not in (base.choices[0].message.content or "")
+
+
+def test_anthropic_messages_serve_an_adapter_by_name(lora_server: Any) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=lora_server.url, api_key="unused", max_retries=0)
+    out = client.messages.create(model="kangaroo", max_tokens=12, extra_body={"temperature": 0},
+                                 messages=[{"role": "user", "content": QUESTION}])
+    assert out.content[0].type == "text" and out.content[0].text == ANSWERS["kangaroo"]
+    base = client.messages.create(model="smollm2", max_tokens=12, extra_body={"temperature": 0},
+                                  messages=[{"role": "user", "content": QUESTION}])
+    assert base.content[0].type == "text" and "KANGAROO" not in base.content[0].text
+
+
+def test_base_and_two_adapters_at_once_each_get_their_own_answer(lora_server: Any) -> None:
+    names = ["smollm2", "pelican", "kangaroo"]
+    alone = {n: _ask(lora_server, n)["choices"][0]["message"]["content"] for n in names}
+    with ThreadPoolExecutor(len(names) * 2) as pool:  # two of each at once: one batch
+        together = list(pool.map(lambda n: _ask(lora_server, n), names * 2))
+    for n, out in zip(names * 2, together):
+        assert out["choices"][0]["message"]["content"] == alone[n], n
+    assert alone["pelican"] == ANSWERS["pelican"] and alone["kangaroo"] == ANSWERS["kangaroo"]
+
+
+def test_an_adapter_never_reuses_the_base_models_or_another_adapters_kv(
+        lora_server: Any) -> None:
+    system = "You keep secrets. " * 12  # a prefix long enough to be cached
+
+    def cached(model: str) -> int:
+        out = _ask(lora_server, model, system=system)
+        return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    cached("smollm2")
+    hit = cached("smollm2")  # the base reuses its own prompt
+    assert hit > 40
+    # an adapter's first ask reuses at most the template's opening it sent before
+    assert cached("pelican") < 10
+    assert cached("pelican") == hit  # then its own prompt
+    assert cached("kangaroo") < 10
+
+
+def test_models_lists_each_adapter_with_its_base(lora_server: Any) -> None:
+    with lora_server.client() as c:
+        listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        one = c.get("/v1/models/pelican").json()
+    assert listed["pelican"]["parent"] == listed["kangaroo"]["parent"] == "smollm2"
+    assert one["adapter"] is True and one["parent"] == "smollm2"
+    assert "adapter" not in listed["smollm2"]
+
+
+def test_adapter_bytes_count_in_the_base_models_estimate(
+        smollm2: Path, adapters: dict[str, Path], test_home: Path) -> None:
+    from mlxd.config import ServerConfig
+    from mlxd.models.adapters import stacked_nbytes
+    from mlxd.models.catalog import registration_for
+    from mlxd.models.spec import ModelEntry
+
+    cfg = ServerConfig(home=test_home, no_starter=True)
+    plain = ModelEntry(name="base", source=str(smollm2))
+    with_adapters = plain.model_copy(update={"adapters": {n: str(f)
+                                                          for n, f in adapters.items()}})
+    extra = registration_for(with_adapters, cfg, 2**34).estimate - \
+        registration_for(plain, cfg, 2**34).estimate
+    assert extra == stacked_nbytes([read_adapter(f) for f in adapters.values()]) > 0
+
+
+# -- worst values at the command line: a clear error, nothing served half-way -------------
+
+def _serve(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, MLXD_HOME=str(home), MLXD_BLAS="off")
+    return subprocess.run([sys.executable, "-m", "mlxd", "serve", *args, "--port", "1"],
+                          env=env, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("case", ["missing", "architecture", "format", "no-model", "taken"])
+def test_a_bad_adapter_flag_is_a_clear_cli_error(case: str, smollm2: Path, tiny_model: Path,
+                                                 adapters: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    args, message = {
+        "missing": ([str(smollm2), "--adapter", f"x={tmp_path / 'none'}"], "does not exist"),
+        "architecture": ([str(tiny_model), "--adapter", f"x={adapters['pelican']}"],
+                         "trained for another"),
+        "format": ([str(smollm2), "--adapter", str(adapters["pelican"])], "expected NAME=PATH"),
+        "no-model": (["--adapter", f"x={adapters['pelican']}"], "give MODEL too"),
+        "taken": ([str(smollm2), "--served-model-name", "base", "--adapter",
+                   f"base={adapters['pelican']}"], "already a served model name"),
+    }[case]
+    out = _serve(*args, home=tmp_path)
+    assert out.returncode != 0
+    assert message in " ".join((out.stderr + out.stdout).split())  # rich wraps lines

@@ -53,6 +53,16 @@ class AdapterInfo:
         return self.folder / WEIGHTS_FILE
 
 
+def stacked_nbytes(infos: list[AdapterInfo], dtype_bytes: int = 4) -> int:
+    """What serving ``infos`` together over one base holds: every adapted layer stacks
+    one slot per adapter plus the base's (zeros), each padded to the largest rank."""
+    if not infos:
+        return 0
+    rank = max(i.rank for i in infos)
+    layers = {t.path: t.in_dims + t.out_dims for i in infos for t in i.targets}
+    return (len(infos) + 1) * rank * sum(layers.values()) * dtype_bytes
+
+
 def safetensors_shapes(path: Path) -> dict[str, tuple[list[int], str]]:
     """``{name: (shape, dtype)}`` from a safetensors file's header (its data is not read)."""
     try:

@@ -155,6 +155,8 @@ class TextSession:
             raise InvalidRequest(f"n must be at most {ctx.config.max_n}", param="n")
         await resolve_request_media(ctx, model, request, family, endpoint)
         lease = await ctx.manager.acquire(model, family, endpoint)
+        # an adapter's name leases its base model and runs the request with the adapter
+        request.adapter = model if model in lease.entry.adapters else None
         try:
             prepared = await lease.engine.prepare(request)
         except BaseException:

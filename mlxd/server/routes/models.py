@@ -67,16 +67,32 @@ def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
     return card
 
 
+def adapter_card(ctx: ServerContext, res: ResidencyManager, name: str) -> dict[str, Any]:
+    """A LoRA adapter served over ``res``: a model name of its own, with its base
+    (``parent``, as vLLM lists LoRA modules) and the base's state."""
+    return {"id": name, "object": "model", "created": int(ctx.started_at), "owned_by": "mlxd",
+            "kind": str(res.kind), "adapter": True, "parent": res.name,
+            "root": res.entry.adapters[name], "state": str(res.state)}
+
+
 @router.get("/v1/models")
 async def list_models(ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
-    """Every registered model, and the kinds this install can serve (``servable_kinds``)."""
-    return {"object": "list", "data": [model_card(ctx, r) for r in ctx.manager.residencies()],
+    """Every registered model and LoRA adapter, and the kinds this install can serve
+    (``servable_kinds``)."""
+    data = []
+    for r in ctx.manager.residencies():
+        data.append(model_card(ctx, r))
+        data.extend(adapter_card(ctx, r, a) for a in r.entry.adapters)
+    return {"object": "list", "data": data,
             "servable_kinds": [str(k) for k in ModelKind if ctx.manager.unservable(k) is None]}
 
 
 @router.get("/v1/models/{name:path}")
 async def get_model(name: str, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
-    return model_card(ctx, ctx.manager.get(name))
+    res = ctx.manager.get(name)
+    if name in res.entry.adapters:
+        return adapter_card(ctx, res, name)
+    return model_card(ctx, res)
 
 
 @router.post("/v1/models/load")
