@@ -297,3 +297,39 @@ def test_a_bad_adapter_flag_is_a_clear_cli_error(case: str, smollm2: Path, tiny_
     out = _serve(*args, home=tmp_path)
     assert out.returncode != 0
     assert message in " ".join((out.stderr + out.stdout).split())  # rich wraps lines
+
+
+def test_put_adds_a_base_with_adapters_at_run_time(lora_server: Any, smollm2: Path,
+                                                   adapters: dict[str, Path]) -> None:
+    entry = {"name": "base2", "source": str(smollm2),
+             "adapters": {"pelican2": str(adapters["pelican"])}}
+    with lora_server.client() as c:
+        r = c.put("/v1/models", json=entry)
+        assert r.status_code == 200, r.text
+        listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert listed["pelican2"]["parent"] == "base2"
+        out = _ask(lora_server, "pelican2")  # loads base2 on first use
+        assert out["choices"][0]["message"]["content"] == ANSWERS["pelican"]
+        r = c.delete("/v1/models/pelican2")
+        assert r.status_code == 400 and "adapter of model 'base2'" in r.text
+        assert c.delete("/v1/models/base2").status_code == 200
+        assert c.get("/v1/models/pelican2").status_code == 404
+
+
+@pytest.mark.parametrize("case", ["missing", "architecture", "taken"])
+def test_put_refuses_a_bad_adapter_and_registers_nothing(
+        case: str, lora_server: Any, smollm2: Path, tiny_model: Path,
+        adapters: dict[str, Path], tmp_path: Path) -> None:
+    base, adapter, name = {
+        "missing": (smollm2, tmp_path / "none", "x1"),
+        "architecture": (tiny_model, adapters["pelican"], "x2"),
+        "taken": (smollm2, adapters["pelican"], "kangaroo"),
+    }[case]
+    with lora_server.client() as c:
+        r = c.put("/v1/models", json={"name": "bad-base", "source": str(base),
+                                      "adapters": {name: str(adapter)}})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"]
+        ids = {m["id"] for m in c.get("/v1/models").json()["data"]}
+    assert "bad-base" not in ids and name not in ids - {"kangaroo"}
+    assert _ask(lora_server, "kangaroo")["model"] == "kangaroo"  # still served by smollm2

@@ -57,6 +57,11 @@ class AdapterRows:
         for uid in uids:
             self._by_uid.pop(uid, None)
 
+    def clear(self) -> None:
+        """Forget every sequence (a new batch generator numbers its own from 0)."""
+        self._by_uid.clear()
+        self.current = None
+
     def set_slots(self, slots: list[int]) -> None:
         """The slots of the next forwards' rows, in batch order."""
         self.current = mx.array([self.check(s) for s in slots], dtype=mx.int32) \

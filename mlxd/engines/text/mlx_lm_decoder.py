@@ -159,6 +159,8 @@ class LMBatchDecoder:
         return int(getattr(drafter, "nbytes", 0))
 
     def reset(self) -> None:
+        if self._rows is not None:
+            self._rows.clear()
         self._gen = self._new_generator()  # the old one closes itself when collected
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxd.engines.base import ModelEngine
-from mlxd.errors import Conflict, InvalidRequest
+from mlxd.errors import Conflict, InvalidRequest, ModelNotFound
 from mlxd.models.catalog import CatalogError, registration_for
 from mlxd.models.manager import Registration
 from mlxd.models.qualification import qualification_problem
@@ -129,6 +129,14 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
     """Add (or replace, when not in use) a registry entry at run time."""
     # Never on the event loop: detection and hashing read files, the registry write fsyncs.
     reg = await asyncio.to_thread(prepare_registration, entry, ctx)
+    for adapter in entry.adapters:  # each adapter is a served name of its own
+        try:
+            owner = ctx.manager.resolve_name(adapter)
+        except ModelNotFound:
+            continue
+        if owner != entry.name or adapter == entry.name:
+            raise InvalidRequest(f"Adapter name '{adapter}' is already a served model name.",
+                                 param="adapters")
     replaced = entry.name in ctx.manager.names
     if replaced:
         res = ctx.manager.get(entry.name)
@@ -136,6 +144,8 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
             raise Conflict(f"Model '{entry.name}' is in use; retry later.", code="model_in_use")
         await ctx.manager.unregister(entry.name)
     ctx.manager.register(reg)
+    for adapter in entry.adapters:
+        ctx.manager.alias(adapter, entry.name)
     persisted = False
     if ctx.registry is not None:
         await asyncio.to_thread(ctx.registry.upsert, entry)
@@ -148,6 +158,9 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
 @router.delete("/v1/models/{name:path}")
 async def delete_model(name: str, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     res = ctx.manager.get(name)
+    if name in res.entry.adapters:
+        raise InvalidRequest(f"'{name}' is an adapter of model '{res.name}': PUT that entry "
+                             "without it to remove it.", param="model")
     await ctx.manager.unregister(res.name)
     persisted = (await asyncio.to_thread(ctx.registry.remove, res.name)
                  if ctx.registry is not None else False)
