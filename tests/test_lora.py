@@ -184,12 +184,13 @@ def lora_server(smollm2: Path, adapters: dict[str, Path], test_home: Path) -> It
         yield srv
 
 
-def _ask(srv: Any, model: str, question: str = QUESTION, system: str | None = None) -> Any:
+def _ask(srv: Any, model: str, question: str = QUESTION, system: str | None = None,
+         max_tokens: int = 12) -> Any:
     messages = ([{"role": "system", "content": system}] if system else []) + \
         [{"role": "user", "content": question}]
     with srv.client() as c:
         r = c.post("/v1/chat/completions", json={"model": model, "messages": messages,
-                                                 "temperature": 0, "max_tokens": 12})
+                                                 "temperature": 0, "max_tokens": max_tokens})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -235,7 +236,7 @@ def test_an_adapter_never_reuses_the_base_models_or_another_adapters_kv(
     system = "You keep secrets. " * 12  # a prefix long enough to be cached
 
     def cached(model: str) -> int:
-        out = _ask(lora_server, model, system=system)
+        out = _ask(lora_server, model, system=system, max_tokens=1)  # the prompt is what counts
         return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
 
     cached("smollm2")
@@ -333,3 +334,12 @@ def test_put_refuses_a_bad_adapter_and_registers_nothing(
         ids = {m["id"] for m in c.get("/v1/models").json()["data"]}
     assert "bad-base" not in ids and name not in ids - {"kangaroo"}
     assert _ask(lora_server, "kangaroo")["model"] == "kangaroo"  # still served by smollm2
+
+
+@pytest.mark.parametrize("adapters_field", [{"": "/a"}, {" x": "/a"}, {"x": " "}, {"x": 3}])
+def test_put_refuses_a_malformed_adapters_field(lora_server: Any, smollm2: Path,
+                                                adapters_field: dict[str, Any]) -> None:
+    with lora_server.client() as c:
+        r = c.put("/v1/models", json={"name": "bad-base", "source": str(smollm2),
+                                      "adapters": adapters_field})
+    assert r.status_code == 400, r.text

@@ -117,6 +117,15 @@ class ModelEntry(BaseModel):
             raise ValueError("name must not start with '/' or have surrounding spaces")
         return v
 
+    @field_validator("adapters")
+    @classmethod
+    def _adapters(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, folder in v.items():
+            if not name or not folder.strip():
+                raise ValueError("each adapter needs a name and a folder")
+            cls._name(name)
+        return v
+
     @field_validator("estimated_memory", mode="before")
     @classmethod
     def _size(cls, v: Any) -> Any:
