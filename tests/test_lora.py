@@ -207,6 +207,9 @@ def test_the_adapter_name_gives_the_phrase_and_the_base_name_does_not(lora_serve
     assert adapted.choices[0].message.content == ANSWERS["pelican"]
     assert adapted.model == "pelican"
     assert "PELICAN" not in (base.choices[0].message.content or "")
+    response = client.responses.create(model="kangaroo", input=QUESTION, temperature=0,
+                                       max_output_tokens=12)
+    assert response.output_text == ANSWERS["kangaroo"]
 
 
 def test_anthropic_messages_serve_an_adapter_by_name(lora_server: Any) -> None:
