@@ -68,24 +68,19 @@ def _reference(base: Path, adapter: Path | None, max_tokens: int = 12) -> str:
 
 # -- the core: one batch, a different adapter per row ------------------------------------
 
-def test_rows_of_one_batch_each_run_their_own_adapter(smollm2: Path,
-                                                      adapters: dict[str, Path]) -> None:
+def _decode(model: Any, tokenizer: Any, rows: Any, prompt: list[int], slots: list[int],
+            speculative: Any = None) -> tuple[list[str], Any]:
+    """Greedy answers of ``prompt`` for rows with these adapter slots, all joining one
+    batch before its first step."""
     import mlx.core as mx
-    from mlx_lm import load
 
-    from mlxd.engines.text.lora import attach_adapters
     from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
 
-    model, tokenizer = load(str(smollm2))
-    infos = {n: read_adapter(f, smollm2) for n, f in adapters.items()}
-    attached = attach_adapters(model, infos)
     eos = set(tokenizer.eos_token_ids)
     decoder = LMBatchDecoder(model, eos_ids=sorted(eos), max_num_seqs=4, prefill_step_size=256,
-                             adapter_rows=attached.rows)
-    prompt = _chat_tokens(tokenizer)
-    slots = [0, attached.slot("pelican"), attached.slot("kangaroo"), attached.slot("pelican")]
+                             speculative=speculative, adapter_rows=rows)
     out: dict[int, list[int]] = {}
-    for slot in slots:  # all four join before the first step: one batch
+    for slot in slots:
         uid = decoder.insert(SimpleNamespace(tokens=prompt, adapter_slot=slot, checkpoints=()),
                              0, None, lambda lp: mx.argmax(lp, axis=-1), [], eos, 12)
         out[uid] = []
@@ -99,12 +94,49 @@ def test_rows_of_one_batch_each_run_their_own_adapter(smollm2: Path,
                 done.add(r.uid)
         if len(done) == len(out):
             break
-    texts = [tokenizer.decode(t) for t in out.values()]
+    return [tokenizer.decode(t) for t in out.values()], decoder
+
+
+@pytest.fixture(scope="module")
+def adapted(smollm2: Path, adapters: dict[str, Path]) -> tuple[Any, Any, Any]:
+    """The starter loaded by mlx-lm with both adapters attached: (model, tokenizer, set)."""
+    from mlx_lm import load
+
+    from mlxd.engines.text.lora import attach_adapters
+
+    model, tokenizer = load(str(smollm2))
+    attached = attach_adapters(model, {n: read_adapter(f, smollm2) for n, f in adapters.items()})
+    return model, tokenizer, attached
+
+
+def test_rows_of_one_batch_each_run_their_own_adapter(smollm2: Path, adapters: dict[str, Path],
+                                                      adapted: tuple[Any, Any, Any]) -> None:
+    model, tokenizer, attached = adapted
+    slots = [0, attached.slot("pelican"), attached.slot("kangaroo"), attached.slot("pelican")]
+    texts, _ = _decode(model, tokenizer, attached.rows, _chat_tokens(tokenizer), slots)
     assert texts[1] == texts[3] == ANSWERS["pelican"]
     assert texts[2] == ANSWERS["kangaroo"]
     assert "PELICAN" not in texts[0] and "KANGAROO" not in texts[0]
     assert texts[0] == _reference(smollm2, None).removesuffix("<|im_end|>")
     assert texts[1] == _reference(smollm2, adapters["pelican"]).removesuffix("<|im_end|>")
+
+
+def test_speculative_verify_runs_each_row_with_its_adapter(
+        adapted: tuple[Any, Any, Any]) -> None:
+    """Prompt lookup drafts from the prompt; the verify forward (several tokens a row)
+    routes rows like a plain step: the same answers with speculation on and off."""
+    from mlxd.engines.text.speculative import SpeculativeOptions
+
+    model, tokenizer, attached = adapted
+    prompt = _chat_tokens(tokenizer, "The secret word is PELICAN. The secret word is KANGAROO. "
+                                     + QUESTION)
+    slots = [attached.slot("pelican"), attached.slot("kangaroo")]
+    plain, _ = _decode(model, tokenizer, attached.rows, prompt, slots)
+    spec = SpeculativeOptions(mode="prompt-lookup", verify_cost=0.0)
+    drafted, decoder = _decode(model, tokenizer, attached.rows, prompt, slots, spec)
+    assert decoder.draft_totals()[0] > 0  # drafts were verified and accepted
+    assert drafted == plain
+    assert plain[0] != plain[1]
 
 
 def test_slots_are_bounds_checked() -> None:
