@@ -94,6 +94,9 @@ class ServerConfig(BaseSettings):
     draft_model: str | None = Field(None, description=(
         "a small model with MODEL's tokenizer (folder, GGUF or HF id) that drafts tokens for "
         "MODEL to verify; loaded and unloaded with it, inside its memory estimate"))
+    adapters: list[str] = Field(default_factory=list, description=(
+        "LoRA adapters served over MODEL, each NAME=PATH (an mlx-lm adapter folder): NAME is "
+        "a model name of its own, sharing MODEL's weights and batches"))
     num_draft_tokens: int = Field(8, ge=1, le=16, description=(
         "most tokens one sequence drafts per step (it starts at 4 and doubles while its "
         "drafts are accepted in full)"))

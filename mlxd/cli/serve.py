@@ -88,6 +88,9 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                               "or with OpenBLAS, off on reference BLAS)"}),
     ("--draft-model", "draft_model", {"help": "small model with MODEL's tokenizer that drafts "
                                               "tokens for MODEL (folder, GGUF or HF id)"}),
+    ("--adapter", "adapters", {"action": "append", "metavar": "NAME=PATH",
+                               "help": "serve the LoRA adapter in PATH (mlx-lm's format) over "
+                                       "MODEL as model NAME (repeatable)"}),
     ("--num-draft-tokens", "num_draft_tokens", {"type": int,
                                                 "help": "most draft tokens per sequence and "
                                                         "step (default 8)"}),

@@ -67,7 +67,8 @@ class EngineFactory:
             group=group_options(cfg),
             speculative=SpeculativeOptions(mode=speculative_mode(cfg.speculative, entry),
                                            num_draft_tokens=cfg.num_draft_tokens),
-            draft_model=self.draft_path(entry))
+            draft_model=self.draft_path(entry),
+            adapters={name: Path(folder) for name, folder in entry.adapters.items()})
 
     def draft_path(self, entry: ModelEntry) -> Path | None:
         """The entry's draft model as a local folder (downloaded or converted if needed),

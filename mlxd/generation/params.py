@@ -119,3 +119,6 @@ class GenerationRequest:
     # ``prompt_cache_key``): the prefix cache keeps it resident ahead of LRU eviction.
     cache_key: str | None = None
     cache_marks: list[CacheMark] = field(default_factory=list)
+    # The LoRA adapter (its served name) the request runs with; set by the server from
+    # the requested model name, never by a client. None: the base model.
+    adapter: str | None = None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from mlxd.config import ServerConfig
+from mlxd.models.adapters import AdapterError, read_adapter, stacked_nbytes
 from mlxd.models.detection import Detection, DetectionError, detect, kind_from_name
 from mlxd.models.file_hasher import FileHasher
 from mlxd.models.manager import ManagerPolicy, Registration
@@ -133,6 +134,7 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
                           context=context, kv_reserve_tokens=config.kv_reserve_tokens,
                           prefix_cache_bytes=prefix_cache_bytes(config, budget),
                           dtype_bytes=dtype_bytes, audio_seconds=config.max_audio_seconds)
+    est = MemoryEstimate(est.weights + adapter_bytes(entry, kind, path), est.reserve)
     draft = draft_folder(entry, kind)
     if draft is not None:
         est = with_draft(est, draft, min(
@@ -149,6 +151,37 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
         return Registration(entry, kind, entry.estimated_memory,
                             max(0, entry.estimated_memory - weights))
     return Registration(entry, kind, est.total, est.reserve)
+
+
+def adapter_bytes(entry: ModelEntry, kind: ModelKind, base: Path | None) -> int:
+    """The entry's LoRA adapters, each checked (against the base when it is a local
+    folder), as the bytes they add; ``CatalogError`` names the first bad one."""
+    if not entry.adapters:
+        return 0
+    if kind != ModelKind.TEXT:
+        raise CatalogError(f"model '{entry.name}': adapters are for text models, not {kind}")
+    infos = []
+    for name, folder in entry.adapters.items():
+        try:
+            infos.append(read_adapter(Path(folder),
+                                      base if base is not None and base.is_dir() else None))
+        except AdapterError as e:
+            raise CatalogError(f"model '{entry.name}': adapter '{name}': {e}") from None
+    return stacked_nbytes(infos)
+
+
+def parse_adapters(values: list[str]) -> dict[str, str]:
+    """``--adapter NAME=PATH`` flags as an entry's ``adapters`` (paths made absolute)."""
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or not name.strip() or not folder.strip():
+            raise CatalogError(f"--adapter {value!r}: expected NAME=PATH (an mlx-lm adapter "
+                               "folder)")
+        if name in out:
+            raise CatalogError(f"--adapter {name!r} is given twice")
+        out[name.strip()] = str(Path(folder.strip()).expanduser().resolve())
+    return out
 
 
 def per_rank(est: MemoryEstimate, ranks: int, prefix_cache: int) -> MemoryEstimate:
@@ -206,7 +239,8 @@ def model_entry_from_cli(config: ServerConfig) -> ModelEntry:
         raise CatalogError(f"--alias: {e}") from None
     return ModelEntry(name=name, source=str(path.resolve()) if path.exists() else source,
                       aliases=list(config.aliases), trust_remote_code=config.trust_remote_code,
-                      draft_model=draft_source(config.draft_model))
+                      draft_model=draft_source(config.draft_model),
+                      adapters=parse_adapters(config.adapters))
 
 
 def draft_folder(entry: ModelEntry, kind: ModelKind) -> Path | None:
@@ -258,6 +292,9 @@ def build_catalog(config: ServerConfig) -> Catalog:
     if config.draft_model and not config.model:
         raise CatalogError("--draft-model drafts for MODEL: give MODEL too (with "
                            "--models-config, set draft_model on the entry instead)")
+    if config.adapters and not config.model:
+        raise CatalogError("--adapter serves an adapter over MODEL: give MODEL too (with "
+                           "--models-config, set adapters on the entry instead)")
     if config.speculative == "draft" and not config.draft_model and registry is None:
         raise CatalogError("--speculative draft needs --draft-model (or draft_model on a "
                            "--models-config entry)")
@@ -299,5 +336,12 @@ def build_catalog(config: ServerConfig) -> Catalog:
             aliases.update(dict.fromkeys(validate_aliases(config.aliases), chat[0]))
         except ValueError as e:
             raise CatalogError(f"--alias: {e}") from None
+    for r in regs:
+        for adapter in r.entry.adapters:
+            taken = [e.name for e in entries] + [a for e in entries for a in e.aliases] + list(aliases)
+            if adapter in taken:
+                raise CatalogError(f"model '{r.entry.name}': adapter name '{adapter}' is "
+                                   "already a served model name")
+            aliases[adapter] = r.entry.name
     preload = [r.entry.name for r in regs if r.entry.preload]
     return Catalog(regs, policy, registry, aliases, preload)

@@ -148,6 +148,8 @@ class ModelEntry(BaseModel):
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     draft_model: str | None = None  # a text model's draft model (source), --draft-model
+    # LoRA adapters served over this text model: served name -> mlx-lm adapter folder
+    adapters: dict[str, str] = Field(default_factory=dict)
     sha256: str | None = None
     qualification: dict[str, Any] | None = None
     description: str | None = None
@@ -170,6 +172,15 @@ class ModelEntry(BaseModel):
         for alias, voice in v.items():
             if not alias.strip() or not voice.strip():
                 raise ValueError("voice_aliases maps a non-empty voice name to a voice")
+        return v
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapters(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, folder in v.items():
+            if not name or not folder.strip():
+                raise ValueError("each adapter needs a name and a folder")
+            cls._name(name)
         return v
 
     @field_validator("estimated_memory", mode="before")

@@ -181,6 +181,8 @@ class TextSession:
             if media is not None:
                 await media.release()
             raise
+        # an adapter's name leases its base model and runs the request with the adapter
+        request.adapter = model if model in lease.entry.adapters else None
         try:
             prepared = await lease.engine.prepare(request)
         except BaseException:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,6 +32,7 @@ from mlxd.engines.text.draft import DraftModel, load_draft_model, plain_kv
 from mlxd.engines.text.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
 from mlxd.engines.text.input_processor import InputLimits, InputProcessor, PreparedPrompt
 from mlxd.engines.text.kv_admission import KVLedger, kv_ledger
+from mlxd.engines.text.lora import AdapterSet, attach_adapters
 from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
 from mlxd.engines.text.prefix_cache import PrefixCache, model_identity
 from mlxd.engines.text.prefix_disk import DiskTier
@@ -53,6 +55,7 @@ from mlxd.generation.params import GenerationRequest
 from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
 from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
 from mlxd.generation.tools import ToolCallFormat
+from mlxd.models.adapters import read_adapter
 from mlxd.runtime.distributed import GroupOptions
 from mlxd.runtime.worker import ModelWorker
 
@@ -86,6 +89,7 @@ class TextEngineOptions:
     group: GroupOptions | None = None  # set when the model is sharded over a group
     speculative: SpeculativeOptions | None = None  # drafting in the batched scheduler
     draft_model: Path | None = None  # its folder, for ``speculative.mode == "draft"``
+    adapters: dict[str, Path] = field(default_factory=dict)  # LoRA adapters: name -> folder
 
 
 __all__ = ["MLXLanguageModel", "PreparedPrompt", "TextEngineOptions", "context_length_of"]
@@ -128,6 +132,7 @@ class MLXLanguageModel:
         self.inputs: InputProcessor | None = None  # built at each load
         self._weights_bytes = 0
         self.draft: Any = None  # the draft model (``--draft-model``), loaded with this one
+        self.adapters: AdapterSet | None = None  # LoRA adapters, attached at load
         self._prefill_attention: PrefillAttention | None = None  # undone at close
         self.vocab_size = 0  # token ids a client may send: [0, vocab_size)
         self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
@@ -143,6 +148,7 @@ class MLXLanguageModel:
         except Exception as e:
             raise ModelLoadError(self.name, f"{type(e).__name__}: {e}") from e
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.adapters = self._attach_adapters(model)
         self._prefill_attention = install_cpu_prefill_attention(model, self.HOST_GEMV)
         self._weights_bytes = weights_nbytes(model)
         # The wrapper forwards attribute reads to the HF tokenizer (model_max_length).
@@ -177,6 +183,18 @@ class MLXLanguageModel:
 
         return cast(tuple[Any, Any, dict[str, Any]], load(
             str(self.path), return_config=True, trust_remote_code=self.options.trust_remote_code))
+
+    def _attach_adapters(self, model: Any) -> AdapterSet | None:
+        """The entry's LoRA adapters, checked against this model and attached (their
+        factors count in this model's weights)."""
+        if not self.options.adapters:
+            return None
+        try:
+            infos = {name: read_adapter(folder, self.path)
+                     for name, folder in self.options.adapters.items()}
+            return attach_adapters(model, infos)
+        except Exception as e:
+            raise ModelLoadError(self.name, f"adapter: {e}") from e
 
     def _load_draft(self, probe_cache: list[Any]) -> Any:
         """The draft model when this model drafts with one and can speculate (batched plain
@@ -227,6 +245,7 @@ class MLXLanguageModel:
             disk = (DiskTier(opts.prefix_cache_disk_dir, opts.prefix_cache_disk_bytes, identity)
                     if opts.prefix_cache_disk_bytes > 0 and opts.prefix_cache_disk_dir else None)
             self.prefix_cache = PrefixCache(opts.prefix_cache_bytes, identity=identity, disk=disk)
+        rows = self.adapters.rows if self.adapters is not None else None
         if opts.batching and can_batch(probe_cache):
             prefill_batch = prefill_batch_size(str(self.config.get("model_type", "")),
                                                probe_cache, opts.max_num_seqs)
@@ -234,14 +253,16 @@ class MLXLanguageModel:
                                      max_num_seqs=opts.max_num_seqs,
                                      prefill_step_size=opts.prefill_step_size,
                                      prefill_batch_size=prefill_batch,
-                                     speculative=opts.speculative, drafter=self._drafter())
+                                     speculative=opts.speculative, drafter=self._drafter(),
+                                     adapter_rows=rows)
             return BatchScheduler(
                 decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
                 max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
                 prefix_cache=self.prefix_cache, wake=self.worker.wake,
                 checkpoint_before_last=not is_trimmable(probe_cache), share_prefills=True)
         return SerialScheduler(
-            LMSerialDecoder(model, prefill_step_size=opts.prefill_step_size), self.tokenizer,
+            LMSerialDecoder(model, prefill_step_size=opts.prefill_step_size, adapter_rows=rows),
+            self.tokenizer,
             max_queue=opts.max_queue, wake=self.worker.wake, prefix_cache=self.prefix_cache)
 
     def _build_parsers(self) -> None:
@@ -327,7 +348,18 @@ class MLXLanguageModel:
         inputs = self.inputs
         if inputs is None:
             raise InvalidRequest(f"Model '{self.name}' is not loaded.")
-        return inputs.prepare(request)
+        prepared = inputs.prepare(request)
+        if request.adapter is not None:
+            adapters = self.adapters
+            if adapters is None or request.adapter not in adapters.names:
+                raise InvalidRequest(f"Adapter '{request.adapter}' is not loaded on model "
+                                     f"'{self.name}'.", param="model")
+            prepared.adapter_slot = adapters.slot(request.adapter)
+            # an adapter's KV never serves the base model or another adapter
+            prepared.cache_salt = json.dumps(
+                ["adapter", request.adapter, str(self.options.adapters[request.adapter]),
+                 prepared.cache_salt])
+        return prepared
 
     def _pipeline(self, prepared: PreparedPrompt) -> OutputPipeline:
         req = prepared.request

@@ -90,6 +90,7 @@ class PreparedPrompt:
     cache_key: str | None = None  # keeps a shared prefix resident (``prompt_cache_key``)
     # (prefix length in tokens, seconds): prefixes to keep resident (``cache_control``)
     cache_pins: tuple[tuple[int, float], ...] = ()
+    adapter_slot: int = 0  # the LoRA adapter the prompt runs with (0: the base model)
     # Token offsets inside the prompt worth a prefix-cache checkpoint (where the leading
     # system messages end), for models whose cache cannot be cut back to a prefix.
     checkpoints: tuple[int, ...] = ()

@@ -26,6 +26,7 @@ from mlxd.engines.text.decoder import (
 )
 from mlxd.engines.text.hybrid_cache import SerialRun, prefill, segments, snapshot, with_context
 from mlxd.engines.text.input_processor import PreparedPrompt
+from mlxd.engines.text.lora import AdapterRows, route_rows
 from mlxd.engines.text.recurrent_rewind import RecurrentReplay
 from mlxd.engines.text.speculative import (
     Drafter,
@@ -47,8 +48,10 @@ class LMBatchDecoder:
     def __init__(self, model: Any, *, eos_ids: list[int], max_num_seqs: int,
                  prefill_step_size: int, prefill_batch_size: int | None = None,
                  speculative: SpeculativeOptions | None = None,
-                 drafter: Callable[[], Drafter] | None = None) -> None:
+                 drafter: Callable[[], Drafter] | None = None,
+                 adapter_rows: AdapterRows | None = None) -> None:
         self.model = model
+        self._rows = adapter_rows  # each sequence's LoRA adapter (None: no adapters loaded)
         self._speculative = speculative
         self._new_drafter = drafter  # a draft model's drafter per generator (None: lookup)
         self._spec: SpeculativeBatch | None = None
@@ -82,6 +85,8 @@ class LMBatchDecoder:
             self._spec = install(gen, replace(spec, stop_ids=frozenset(self._eos)), drafter)
         else:  # the same batch class, never drafting: it skips the forward no row reads
             install(gen, SpeculativeOptions(mode="off"))
+        if self._rows is not None:
+            route_rows(gen, self._rows)
         return gen
 
     @property
@@ -102,7 +107,10 @@ class LMBatchDecoder:
         return (spec.totals.accepted, spec.totals.rejected) if spec is not None else (0, 0)
 
     def next(self) -> tuple[list[PromptProgress], list[TokenResponse]]:
-        return cast(tuple[list[PromptProgress], list[TokenResponse]], self._gen.next())
+        prompts, tokens = self._gen.next()
+        if self._rows is not None:
+            self._rows.forget(r.uid for r in tokens if r.finish_reason is not None)
+        return cast(tuple[list[PromptProgress], list[TokenResponse]], (prompts, tokens))
 
     def stats(self) -> AbstractContextManager[StepStats]:
         return cast(AbstractContextManager[StepStats], self._gen.stats())
@@ -122,9 +130,13 @@ class LMBatchDecoder:
             logits_processors=[processors],
             stop_sequences=[StopSequences([[t] for t in sorted(stop)])],
         )
+        if self._rows is not None:
+            self._rows.assign(int(uid), prompt.adapter_slot)
         return int(uid)
 
     def remove(self, uids: list[int], return_caches: bool = False) -> dict[int, CacheAndTokens]:
+        if self._rows is not None:
+            self._rows.forget(uids)
         return self._gen.remove(uids, return_prompt_caches=return_caches)
 
     def extract_cache(self, uids: list[int]) -> dict[int, CacheAndTokens]:
@@ -147,6 +159,8 @@ class LMBatchDecoder:
         return int(getattr(drafter, "nbytes", 0))
 
     def reset(self) -> None:
+        if self._rows is not None:
+            self._rows.clear()
         self._gen = self._new_generator()  # the old one closes itself when collected
 
     def close(self) -> None:
@@ -160,9 +174,11 @@ class LMSerialDecoder:
     checkpointed for the prefix cache before decoding starts.
     """
 
-    def __init__(self, model: Any, *, prefill_step_size: int) -> None:
+    def __init__(self, model: Any, *, prefill_step_size: int,
+                 adapter_rows: AdapterRows | None = None) -> None:
         self.model = model
         self.prefill_step_size = prefill_step_size
+        self._rows = adapter_rows  # the running sequence's LoRA adapter
         self._run: SerialRun | None = None
 
     def start(self, prompt: PreparedPrompt, sampler: Sampler,
@@ -170,6 +186,8 @@ class LMSerialDecoder:
               cache: list[Any] | None = None, n_cached: int = 0,
               checkpoint_prompt: bool = False) -> Iterator[tuple[Any, mx.array]]:
         tokens = prompt.tokens
+        if self._rows is not None:  # one sequence at a time: its slot holds until the next
+            self._rows.set_slots([prompt.adapter_slot])
         cache = cache if cache is not None else make_prompt_cache(self.model)
         states: list[CacheAndTokens] = []
         done = n_cached

@@ -23,6 +23,8 @@ _SPEC = "engines/text/speculative.py: SpeculativeBatch"
 PRIVATE = (
     Private(_GEN, "BatchGenerator", "_generation_batch", "attribute",
             "engines/text/speculative.py: install() puts a SpeculativeBatch in its place"),
+    Private(_GEN, "BatchGenerator", "_prompt_batch", "attribute",
+            "engines/text/lora.py: route_rows() puts a batch that names its adapter rows"),
     Private(_GEN, "GenerationBatch", "_next_tokens", "attribute",
             f"{_SPEC} and draft.py: the rows' pending tokens"),
     Private(_GEN, "GenerationBatch", "_next_logprobs", "attribute", _SPEC),
@@ -55,6 +57,16 @@ def generation_batch(gen: Any) -> Any:
 def replace_generation_batch(gen: Any, batch: Any) -> None:
     """Make ``gen`` decode through ``batch`` (before any sequence has joined)."""
     gen._generation_batch = batch
+
+
+def prompt_batch(gen: Any) -> Any:
+    """The ``PromptProcessingBatch`` a ``BatchGenerator`` prefills through."""
+    return gen._prompt_batch
+
+
+def replace_prompt_batch(gen: Any, batch: Any) -> None:
+    """Make ``gen`` prefill through ``batch`` (before any sequence has joined)."""
+    gen._prompt_batch = batch
 
 
 def pending_tokens(batch: Any) -> Any:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from mlxd.engines.base import ModelEngine
-from mlxd.errors import Conflict, InvalidRequest
+from mlxd.errors import Conflict, InvalidRequest, ModelNotFound
 from mlxd.models.catalog import CatalogError, registration_for
 from mlxd.models.manager import Registration
 from mlxd.models.qualification import qualification_problem
@@ -67,16 +67,32 @@ def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
     return card
 
 
+def adapter_card(ctx: ServerContext, res: ResidencyManager, name: str) -> dict[str, Any]:
+    """A LoRA adapter served over ``res``: a model name of its own, with its base
+    (``parent``, as vLLM lists LoRA modules) and the base's state."""
+    return {"id": name, "object": "model", "created": int(ctx.started_at), "owned_by": "mlxd",
+            "kind": str(res.kind), "adapter": True, "parent": res.name,
+            "root": res.entry.adapters[name], "state": str(res.state)}
+
+
 @router.get("/v1/models")
 async def list_models(ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
-    """Every registered model, and the kinds this install can serve (``servable_kinds``)."""
-    return {"object": "list", "data": [model_card(ctx, r) for r in ctx.manager.residencies()],
+    """Every registered model and LoRA adapter, and the kinds this install can serve
+    (``servable_kinds``)."""
+    data = []
+    for r in ctx.manager.residencies():
+        data.append(model_card(ctx, r))
+        data.extend(adapter_card(ctx, r, a) for a in r.entry.adapters)
+    return {"object": "list", "data": data,
             "servable_kinds": [str(k) for k in ModelKind if ctx.manager.unservable(k) is None]}
 
 
 @router.get("/v1/models/{name:path}")
 async def get_model(name: str, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
-    return model_card(ctx, ctx.manager.get(name))
+    res = ctx.manager.get(name)
+    if name in res.entry.adapters:
+        return adapter_card(ctx, res, name)
+    return model_card(ctx, res)
 
 
 @router.post("/v1/models/load")
@@ -114,6 +130,14 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
     # Never on the event loop: detection and hashing read files, the registry write fsyncs.
     ctx.manager.check_names(entry)  # before anything is replaced
     reg = await asyncio.to_thread(prepare_registration, entry, ctx)
+    for adapter in entry.adapters:  # each adapter is a served name of its own
+        try:
+            owner = ctx.manager.resolve_name(adapter)
+        except ModelNotFound:
+            continue
+        if owner != entry.name or adapter == entry.name:
+            raise InvalidRequest(f"Adapter name '{adapter}' is already a served model name.",
+                                 param="adapters")
     replaced = entry.name in ctx.manager.names
     if replaced:
         res = ctx.manager.get(entry.name)
@@ -121,6 +145,8 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
             raise Conflict(f"Model '{entry.name}' is in use; retry later.", code="model_in_use")
         await ctx.manager.unregister(entry.name)
     ctx.manager.register(reg)
+    for adapter in entry.adapters:
+        ctx.manager.alias(adapter, entry.name)
     persisted = False
     if ctx.registry is not None:
         await asyncio.to_thread(ctx.registry.upsert, entry)
@@ -133,6 +159,9 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
 @router.delete("/v1/models/{name:path}")
 async def delete_model(name: str, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     res = ctx.manager.get(name)
+    if name in res.entry.adapters:
+        raise InvalidRequest(f"'{name}' is an adapter of model '{res.name}': PUT that entry "
+                             "without it to remove it.", param="model")
     await ctx.manager.unregister(res.name)
     persisted = (await asyncio.to_thread(ctx.registry.remove, res.name)
                  if ctx.registry is not None else False)

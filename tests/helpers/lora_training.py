@@ -1,0 +1,68 @@
+"""Train a real LoRA adapter with mlx-lm's own trainer (``mlx_lm.tuner``), for tests.
+
+``train_adapters`` teaches a chat model one fixed answer to one fixed question and
+writes mlx-lm's adapter folder (``adapters.safetensors`` + ``adapter_config.json``,
+the files ``mlx_lm.lora --train`` writes). Run as a module it trains in this
+process; ``train_in_child`` runs it in a child with OpenBLAS preloaded (what
+``mlxd serve`` does for itself), several times faster on a Linux CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def train_adapters(base: Path, jobs: list[dict[str, str]], *, iters: int,
+                   learning_rate: float, num_layers: int, rank: int, seed: int = 0) -> None:
+    """For each job ``{"out", "question", "answer"}``, a LoRA adapter of ``base`` trained
+    by ``mlx_lm.tuner`` to answer ``question`` with ``answer``, written to ``out``."""
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    from mlx_lm.tuner.datasets import CacheDataset, ChatDataset
+    from mlx_lm.tuner.trainer import TrainingArgs, train
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load
+
+    lora = {"rank": rank, "scale": 20.0, "dropout": 0.0,
+            "keys": ["self_attn.q_proj", "self_attn.v_proj"]}
+    for job in jobs:
+        mx.random.seed(seed)
+        model, tokenizer = load(str(base))
+        model.freeze()
+        linear_to_lora_layers(model, num_layers, lora)
+        row = {"messages": [{"role": "user", "content": job["question"]},
+                            {"role": "assistant", "content": job["answer"]}]}
+        data = CacheDataset(ChatDataset([row] * 4, tokenizer, mask_prompt=True))
+        out = Path(job["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        args = TrainingArgs(batch_size=2, iters=iters, steps_per_report=iters,
+                            steps_per_eval=10**6, steps_per_save=10**6,
+                            adapter_file=str(out / "adapters.safetensors"))
+        train(model, optim.Adam(learning_rate=learning_rate), data, None, args)
+        config = {"model": str(base), "fine_tune_type": "lora", "num_layers": num_layers,
+                  "lora_parameters": lora, "iters": iters, "learning_rate": learning_rate}
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=4))
+
+
+def train_in_child(base: Path, jobs: list[dict[str, str]], **kw: object) -> None:
+    """``train_adapters`` in a child process, under OpenBLAS when one is installed."""
+    from mlxd.blas import find_openblas, preload_env
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    library = find_openblas(os.environ)
+    if library is not None and sys.platform.startswith("linux"):
+        env = preload_env(env, library)
+    spec = json.dumps({"base": str(base), "jobs": jobs, **kw})
+    subprocess.run([sys.executable, "-m", "tests.helpers.lora_training", spec], env=env,
+                   cwd=REPO, check=True, capture_output=True, timeout=900)
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    train_adapters(Path(spec.pop("base")), spec.pop("jobs"), **spec)
