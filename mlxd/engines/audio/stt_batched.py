@@ -117,7 +117,7 @@ def run_batched(model: Any, request: TranscriptionRequest, language: str | None,
     ``on_window`` gets each window's text, in order, as its batch finishes;
     ``check_cancelled`` runs before each batch (it raises when the job was cancelled)."""
     from mlx_whisper.audio import N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
-    from mlx_whisper.decoding import DecodingOptions, decode
+    from mlx_whisper.decoding import DecodingOptions, DecodingTask, LogitFilter
     from mlx_whisper.timing import add_word_timestamps
     from mlx_whisper.tokenizer import get_tokenizer
 
@@ -139,6 +139,19 @@ def run_batched(model: Any, request: TranscriptionRequest, language: str | None,
                               language=language, task=request.task)
     base = DecodingOptions(task=request.task, language=language, fp16=fp16,
                            prompt=request.prompt or None)
+    class Cancellable(LogitFilter):
+        """Checks for cancellation at every decoding step (logits pass unchanged), so
+        a cancelled job stops within one token of its batch, not one whole decode."""
+
+        def apply(self, logits: mx.array, tokens: mx.array) -> mx.array:
+            check_cancelled()
+            return logits
+
+    def decode(model: Any, mel: mx.array, options: Any) -> Any:
+        task = DecodingTask(model, options)
+        task.logit_filters.append(Cancellable())
+        return task.run(mel)
+
     segments: list[dict[str, Any]] = []
     texts: list[str] = []
     last_speech = 0.0
@@ -146,7 +159,8 @@ def run_batched(model: Any, request: TranscriptionRequest, language: str | None,
         check_cancelled()
         spans = cuts[b:b + batch_size]
         mels = [mel_of(s) for s in spans]
-        results = _decode_with_fallback(decode, base, model, mels, temperatures)
+        results = _decode_with_fallback(decode, base, model, mels, temperatures,
+                                        check_cancelled)
         for span, mel, result in zip(spans, mels, results, strict=True):
             if (result.no_speech_prob > NO_SPEECH_MIN
                     and result.avg_logprob < LOGPROB_MIN):
@@ -170,14 +184,17 @@ def run_batched(model: Any, request: TranscriptionRequest, language: str | None,
 
 
 def _decode_with_fallback(decode: Any, base: Any, model: Any, mels: list[mx.array],
-                          temperatures: tuple[float, ...]) -> list[Any]:
+                          temperatures: tuple[float, ...],
+                          check_cancelled: Callable[[], None] = lambda: None) -> list[Any]:
     """Each window's result at the first temperature it does not fail at (the failing
-    windows of the batch decoded again together)."""
+    windows of the batch decoded again together); ``check_cancelled`` runs before each
+    pass, so a cancelled job stops within one batched decode."""
     from dataclasses import replace
 
     results: list[Any] = [None] * len(mels)
     pending = list(range(len(mels)))
     for t in temperatures:
+        check_cancelled()
         batch = mx.stack([mels[i] for i in pending])
         decoded = decode(model, batch, replace(base, temperature=t))
         retry = []
