@@ -152,6 +152,9 @@ def test_two_concurrent_uploads_each_get_their_own_text(
     {"chunking_strategy[type]": "server_vad", "chunking_strategy[silence_duration_ms]": "-1"},
     {"chunking_strategy[type]": "client_vad"},
     {"chunking_strategy": "auto", "chunking_strategy[type]": "server_vad"},
+    {"chunking_strategy": '{"type": "server_vad", "threshold": true}'},
+    {"chunking_strategy": '{"type": "server_vad", "prefix_padding_ms": "300"}'},
+    {"chunking_strategy[type]": "server_vad", "chunking_strategy[threshold]": "true"},
 ])
 def test_bad_chunking_strategy_is_a_400(server: ServeProcess, fields: dict[str, str]) -> None:
     with server.client() as http:

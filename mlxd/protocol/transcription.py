@@ -20,9 +20,11 @@ MAX_PROMPT_CHARS = 4096
 
 
 class ServerVad(BaseModel):
-    """OpenAI's ``chunking_strategy`` object: cut at pauses with these settings."""
+    """OpenAI's ``chunking_strategy`` object: cut at pauses with these settings. Strict
+    like every JSON body: numbers are JSON numbers (the route turns the SDK's
+    ``chunking_strategy[...]`` form fields into JSON values first)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["server_vad"]
     threshold: float = Field(0.5, ge=0.0, le=1.0, allow_inf_nan=False)

@@ -13,6 +13,7 @@ its engine.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -49,6 +50,15 @@ RESPONSES: dict[str, Any] = {
                 "text/vtt": {"schema": {"type": "string"}}}}
 
 
+def _form_value(text: str) -> object:
+    """A ``chunking_strategy[...]`` form field as the JSON value it spells (``0.5`` a
+    number, ``true`` a boolean, which the strict model then refuses), else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def parse_form(form: MultipartForm, task: Task) -> TranscriptionForm:
     """The text fields as a validated ``TranscriptionForm`` (a 400 naming the bad field)."""
     data: dict[str, object] = {}
@@ -58,7 +68,8 @@ def parse_form(form: MultipartForm, task: Task) -> TranscriptionForm:
             if not isinstance(data.setdefault(_CHUNKING, {}), dict):
                 raise InvalidRequest("Form field 'chunking_strategy' is given twice.",
                                      param=_CHUNKING)
-            data[_CHUNKING][name[len(_CHUNKING) + 1:-1]] = values[0]  # type: ignore[index]
+            key = name[len(_CHUNKING) + 1:-1]
+            data[_CHUNKING][key] = _form_value(values[0]) if key != "type" else values[0]  # type: ignore[index]
         elif name in _LIST_FIELDS:
             data.setdefault(_LIST_FIELDS[name], [])
             data[_LIST_FIELDS[name]] += values  # type: ignore[operator]
