@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers.scripted_engine import AGENT_TEMPLATE, AGENT_TOKENS
+from tests.helpers.scripted_engine import AGENT_TEMPLATE, AGENT_TOKENS, plain_markers
 from tests.helpers.server import free_port, wait_serving
 from tests.helpers.tiny_models import _corpus, build_llama
 
@@ -54,19 +54,7 @@ def build_long_model(out: Path) -> Path:
     # 8192 tokens of vocabulary: Claude Code's default request is ~26k tokens (~33k with 2048)
     build_llama(out, hidden=64, layers=2, heads=4, seed=0, context=LONG_CONTEXT,
                 vocab_size=8192, extra_tokens=AGENT_TOKENS, chat_template=AGENT_TEMPLATE)
-    return _plain_markers(out)
-
-
-def _plain_markers(out: Path) -> Path:
-    """The ``<think>``/``<tool_call>`` markers as added tokens that decode as text, as in
-    Qwen's tokenizer."""
-    path = out / "tokenizer.json"
-    spec = json.loads(path.read_text())
-    for token in spec["added_tokens"]:
-        if token["content"] in AGENT_TOKENS:
-            token["special"] = False
-    path.write_text(json.dumps(spec))
-    return out
+    return plain_markers(out)
 
 
 # A chat template that shows the model the tool names, the user's and the tools' turns
@@ -215,7 +203,7 @@ def _train_tool_caller(out: Path, calls: dict[str, dict[str, Any]], answer: str,
     if not (src / "model.safetensors").exists():
         build_llama(src, hidden=64, layers=2, heads=4, seed=seed, context=LONG_CONTEXT,
                     extra_tokens=AGENT_TOKENS, chat_template=COMPACT_TEMPLATE)
-        _plain_markers(src)
+        plain_markers(src)
     mx.random.seed(seed)
     rng = random.Random(seed)
     model, tokenizer = load(str(src))

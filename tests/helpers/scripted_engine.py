@@ -68,6 +68,12 @@ def build_agent_model(out: Path) -> Path:
         return out
     build_llama(out, hidden=64, layers=2, heads=4, seed=0, extra_tokens=AGENT_TOKENS,
                 chat_template=AGENT_TEMPLATE)
+    return plain_markers(out)
+
+
+def plain_markers(out: Path) -> Path:
+    """The ``<think>``/``<tool_call>`` markers of the model in ``out`` as added tokens
+    that decode as text, as in Qwen's tokenizer."""
     path = out / "tokenizer.json"
     spec = json.loads(path.read_text())
     for token in spec["added_tokens"]:
