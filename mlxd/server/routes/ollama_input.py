@@ -25,7 +25,7 @@ from mlxd.generation.params import Constraint, GenerationRequest, ToolChoice
 from mlxd.models.spec import ServingDefaults
 from mlxd.protocol.ollama import ChatRequest, GenerateRequest, Message, Options
 from mlxd.server.context import ServerContext
-from mlxd.server.text_session import pick, sampling_params
+from mlxd.server.text_session import sampling_params
 from mlxd.server.tool_checks import check_json_schema, resolve_tool_choice, tool_spec_list
 
 _GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
@@ -179,10 +179,10 @@ def _request(req: ChatRequest | GenerateRequest, defaults: ServingDefaults,
     sampling, num_predict, stop = _options(req.options, defaults)
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
-    # num_predict absent (or -1/-2): the registry's max_tokens, else the rest of the context;
-    # one larger than what the prompt leaves is capped (generation/output_length.py)
+    # num_predict absent (or -1/-2): the engine's default (the registry's or --max-tokens),
+    # else the rest of the context; a larger one is capped (generation/output_length.py)
     return GenerationRequest(sampling=sampling, stop=stop, logprobs=req.logprobs,
-                             max_tokens=pick(num_predict, defaults.max_tokens),
+                             max_tokens=num_predict,
                              top_logprobs=req.top_logprobs, constraint=constraint_of(req.format),
                              chat_template_kwargs=_template_kwargs(req, defaults), **fields)
 
