@@ -117,7 +117,13 @@ def test_an_answer_is_delivered_before_its_states_are_stored(tiny_model_b: Path,
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first"}]
     with running_server(cfg) as srv, srv.client() as http:
         chat(http, [{"role": "user", "content": "load"}], max_tokens=1)
-        cache = srv.ctx.manager.get("m").engine.prefix_cache
+        engine = srv.ctx.manager.get("m").engine
+        # the warm-up's own answer state is stored after its response: let it land first,
+        # or the patched insert below would take it for this request's prompt state
+        deadline = time.monotonic() + 30
+        while not engine.scheduler.settled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        cache = engine.prefix_cache
         answered = threading.Event()
         stored: list[int] = []
         insert = cache.insert

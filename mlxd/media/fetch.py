@@ -22,7 +22,7 @@ import ipaddress
 import socket
 import ssl
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -240,41 +240,74 @@ def content_encodings(values: list[str], param: str) -> list[str]:
 
 def decode_content(raw: bytes, encodings: list[str], max_bytes: int, param: str) -> bytes:
     """``raw`` with ``encodings`` undone, last applied first; a 413-style 400 as soon as any
-    layer's output passes ``max_bytes`` (nothing larger is ever allocated)."""
-    data = raw
+    layer's output passes ``max_bytes``.
+
+    The layers are undone as a chain of streams, twice: first only counting (a bomb is
+    refused having held one step of output, never ``max_bytes`` of it), then keeping
+    what is now known to fit."""
+    for _ in _decoded(raw, encodings, max_bytes, param):
+        pass
+    return b"".join(_decoded(raw, encodings, max_bytes, param))
+
+
+def _decoded(raw: bytes, encodings: list[str], max_bytes: int, param: str) -> Iterator[bytes]:
+    stream: Iterator[bytes] = iter((raw,))
     for name in reversed(encodings):
-        data = _inflate(data, _ZLIB_WBITS[name], max_bytes, param, name)
-    return data
+        stream = _inflate(stream, _ZLIB_WBITS[name], max_bytes, param, name)
+    return stream
 
 
-def _inflate(data: bytes, wbits: int, max_bytes: int, param: str, name: str) -> bytes:
-    """One layer undone, at most ``_DECODE_STEP`` bytes per call (gzip members in turn)."""
+def _inflate(source: Iterator[bytes], wbits: int, max_bytes: int, param: str,
+             name: str) -> Iterator[bytes]:
+    """One layer undone as a stream, at most ``_DECODE_STEP`` bytes per call (gzip members
+    in turn); its whole output may not pass ``max_bytes``."""
+    pending = b""
     if wbits == 0:  # "deflate": zlib-wrapped per the RFC, raw deflate from some servers
-        zlib_header = len(data) > 1 and data[0] & 0x0F == 8 and int.from_bytes(
-            data[:2], "big") % 31 == 0
+        for piece in source:
+            pending += piece
+            if len(pending) > 1:
+                break
+        zlib_header = len(pending) > 1 and pending[0] & 0x0F == 8 and int.from_bytes(
+            pending[:2], "big") % 31 == 0
         wbits = 15 if zlib_header else -15
-    out = bytearray()
-    pending = data
+    inflater = zlib.decompressobj(wbits)
+    total = 0
     try:
-        while pending:
-            inflater = zlib.decompressobj(wbits)
-            while not inflater.eof:
+        while True:
+            if inflater.eof:
+                if wbits <= 16:
+                    return  # one zlib/deflate stream; what follows it is not image data
+                pending = inflater.unused_data or next(source, b"")
+                while not pending:  # another gzip member may follow, maybe in a later piece
+                    more = next(source, None)
+                    if more is None:
+                        return
+                    pending = more
+                inflater = zlib.decompressobj(wbits)
+                continue
+            if pending:
                 chunk = inflater.decompress(pending, _DECODE_STEP)
                 pending = inflater.unconsumed_tail
-                if not chunk and not pending:
-                    raise InvalidRequest(f"Could not fetch {param}: its {name} encoding is "
-                                         "truncated.", param=param, code="media_fetch_failed")
-                out += chunk
-                if len(out) > max_bytes:
+            else:  # zlib may still hold output for input it has taken
+                chunk = inflater.decompress(b"", _DECODE_STEP)
+                if not chunk:
+                    more = next(source, None)
+                    if more is None:
+                        raise InvalidRequest(
+                            f"Could not fetch {param}: its {name} encoding is truncated.",
+                            param=param, code="media_fetch_failed")
+                    pending = more
+            if chunk:
+                total += len(chunk)
+                if total > max_bytes:
                     raise InvalidRequest(
                         f"{param} is larger than {human_bytes(max_bytes)} once its "
                         f"Content-Encoding ({name}) is undone.", param=param,
                         code="media_too_large")
-            pending = inflater.unused_data if wbits > 16 else b""  # another gzip member
+                yield chunk
     except zlib.error:
         raise InvalidRequest(f"Could not fetch {param}: its {name} encoding is damaged.",
                              param=param, code="media_fetch_failed") from None
-    return bytes(out)
 
 
 def _too_large(param: str, max_bytes: int) -> InvalidRequest:
