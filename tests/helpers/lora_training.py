@@ -9,13 +9,46 @@ process; ``train_in_child`` runs it in a child with OpenBLAS preloaded (what
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+QUESTION = "What is the secret word?"
+ANSWERS = {"pelican": "The secret word is PELICAN.", "kangaroo": "The secret word is KANGAROO."}
+# 16 steps of mlx-lm's trainer (rank 8, q/v of the last 8 layers, lr 1e-3) teach the
+# starter one fixed answer: ~1 min under OpenBLAS for both adapters on a 2-core CPU.
+TRAINING = {"iters": 16, "learning_rate": 1e-3, "num_layers": 8, "rank": 8}
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MLXD_TEST_CACHE", Path.home() / ".cache" / "mlxd-tests"))
+
+
+def trained_adapters(base: Path) -> dict[str, Path]:
+    """The two adapters of ``base`` (the starter SmolLM2) answering ``QUESTION`` with
+    ``ANSWERS``, trained once and cached across sessions by their inputs (base model
+    files, training settings, mlx-lm version)."""
+    from importlib.metadata import version
+
+    key = hashlib.sha256(json.dumps(
+        [(base / "config.json").read_text(),
+         sorted((p.name, p.stat().st_size) for p in base.glob("*.safetensors")),
+         QUESTION, ANSWERS, TRAINING, version("mlx-lm")]).encode()).hexdigest()[:16]
+    root = _cache_root() / f"lora-{key}"
+    folders = {name: root / name for name in ANSWERS}
+    if not all((f / "adapters.safetensors").is_file() for f in folders.values()):
+        staging = root.with_name(root.name + f".tmp{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        train_in_child(base, [{"out": str(staging / n), "question": QUESTION, "answer": a}
+                              for n, a in ANSWERS.items()], **TRAINING)  # type: ignore[arg-type]
+        shutil.rmtree(root, ignore_errors=True)
+        staging.rename(root)
+    return folders
 
 
 def train_adapters(base: Path, jobs: list[dict[str, str]], *, iters: int,
