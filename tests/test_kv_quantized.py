@@ -87,13 +87,45 @@ def test_batched_rows_equal_single_sequence_quantized_kv(lm: tuple[Any, Any],
     model, _ = lm
     expected = [lone(model, p, 10, bits) for p in PROMPTS]
     dec = decoder(model, bits)
-    seen: list[Any] = []
     got = run_jobs(dec, [{"tokens": p, "max": 10, "join": j} for p, j in zip(PROMPTS, JOINS)],
-                   [], lambda j, r: seen.append(r))
+                   [])
     assert got == expected
     if bits == 4:  # the comparison can tell: full precision decodes otherwise
         assert run_jobs(decoder(model, None), [{"tokens": p, "max": 10} for p in PROMPTS],
                         []) != expected
+
+
+def test_a_hybrids_attention_layers_quantize_and_its_recurrent_state_stays(
+        session_dir: Path) -> None:
+    """Qwen3-Next (gated delta-net + attention, 64-dim heads here): the batch equals a lone
+    run whose attention layers are mlx-lm's ``QuantizedKVCache`` beside its own
+    ``ArraysCache`` states."""
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from mlxd.engines.text.hybrid_cache import prefill_batch_size
+    from tests.helpers.tiny_hybrids import _configs
+    from tests.helpers.tiny_models import save_random_mlx_lm
+
+    out = session_dir / "tiny-qwen3-next-hd64"
+    out.mkdir(exist_ok=True)
+    save_random_mlx_lm(out, {**_configs(512)["qwen3_next"], "head_dim": 64,
+                             "eos_token_id": 1}, seed=0)
+    model = load_model(out)[0]
+
+    def lone_hybrid(tokens: list[int]) -> list[int]:
+        cache = [c if isinstance(c, ArraysCache) else QuantizedKVCache(64, 8)
+                 for c in make_prompt_cache(model)]
+        steps = generate_step(mx.array(tokens), model, max_tokens=8, prompt_cache=cache,
+                              sampler=lambda x: mx.argmax(x, axis=-1))
+        return [int(t) for t, _ in steps]
+
+    prompts = PROMPTS[:3]
+    dec = decoder(model, 8, prefill_batch_size=prefill_batch_size(
+        "qwen3_next", make_prompt_cache(model), 4))
+    got = run_jobs(dec, [{"tokens": p, "max": 8, "join": j} for p, j in zip(prompts, JOINS)],
+                   [])
+    assert got == [lone_hybrid(p) for p in prompts]
 
 
 def test_a_row_moved_to_the_prefix_cache_resumes_exactly(lm: tuple[Any, Any]) -> None:
