@@ -156,6 +156,36 @@ def test_a_row_moved_to_the_prefix_cache_resumes_exactly(lm: tuple[Any, Any]) ->
     assert head + tail == lone(model, prompt, total, 8)
 
 
+def test_quantized_entries_go_to_the_disk_tier_and_come_back_exactly(tmp_path: Path) -> None:
+    from mlxd.engines.text.prefix_disk import DiskTier
+
+    def state(seed: int) -> list[Any]:
+        layers = []
+        for layer in range(2):
+            mx.random.seed(seed * 10 + layer)
+            c = QuantizedKVCache(group_size=64, bits=8)
+            c.keys = mx.quantize(mx.random.normal((1, 2, 20, 64)), group_size=64, bits=8)
+            c.values = mx.quantize(mx.random.normal((1, 2, 20, 64)), group_size=64, bits=8)
+            c.offset = 20
+            layers.append(c)
+        return layers
+
+    disk = DiskTier(tmp_path, 1 << 20, "tiny:kv8g64")
+    pc = PrefixCache(Q8_PER_TOKEN * 30, identity="tiny:kv8g64", disk=disk)  # one entry
+    ns = pc.namespace((), None)
+    first, second = list(range(100, 120)), list(range(200, 220))
+    kept = state(1)
+    pc.insert(first, state(1), ns)
+    pc.insert(second, state(2), ns)  # evicts the first to disk
+    disk.close()  # its write is done
+    cache, n = pc.fetch([*first, 7], ns)
+    assert n == 20 and disk.reads == 1
+    for got, want in zip(cache, kept):
+        assert type(got) is QuantizedKVCache and (got.bits, got.group_size) == (8, 64)
+        for a, b in zip((*got.keys, *got.values), (*want.keys, *want.values)):
+            assert mx.array_equal(a, b)
+
+
 def test_speculation_and_grammar_keep_their_tokens_on_quantized_kv(
         lm: tuple[Any, Any]) -> None:
     """Prompt lookup drafts (some rejected: masked in the quantized batch), a row joins
