@@ -186,14 +186,22 @@ def test_quantized_entries_go_to_the_disk_tier_and_come_back_exactly(tmp_path: P
             assert mx.array_equal(a, b)
 
 
+@pytest.mark.parametrize("drafting", ["prompt-lookup", "draft"])
 def test_speculation_and_grammar_keep_their_tokens_on_quantized_kv(
-        lm: tuple[Any, Any]) -> None:
-    """Prompt lookup drafts (some rejected: masked in the quantized batch), a row joins
-    mid-run and a grammar-constrained row shares the batch: every token equals decoding the
-    same quantized batch without speculation."""
+        lm: tuple[Any, Any], tiny_model: Path, drafting: str) -> None:
+    """Prompt lookup, or a draft model (the session's other tiny Llama: same tokenizer, its
+    own full-precision cache), drafts; some drafts are rejected (masked in the quantized
+    batch), a row joins mid-run and a grammar-constrained row shares the batch: every token
+    equals decoding the same quantized batch without speculation."""
     from llguidance import LLMatcher
+    from mlx_lm import load
+
+    from mlxd.engines.text.draft import DraftModel
+    from mlxd.engines.text.prompt_limits import vocab_bound
 
     model, tok = lm
+    draft = load(str(tiny_model))[0] if drafting == "draft" else None
+    vocab = vocab_bound(model, {}, len(tok))
     grammar = GrammarTokenizer(tok.backend_tokenizer, model.args.vocab_size,
                                sorted(tok.eos_token_ids))
     regex = LLMatcher.grammar_from_regex("(lo)+")
@@ -207,7 +215,8 @@ def test_speculation_and_grammar_keep_their_tokens_on_quantized_kv(
 
     def run(spec: bool) -> tuple[list[list[int]], tuple[int, int]]:
         dec = decoder(model, 8, speculative=SpeculativeOptions(
-            mode="prompt-lookup" if spec else "off", num_draft_tokens=4, verify_cost=0.0))
+            mode=drafting if spec else "off", num_draft_tokens=4, verify_cost=0.0),
+            drafter=(lambda: DraftModel(draft, vocab=vocab)) if draft is not None else None)
         out = run_jobs(dec, jobs(), [])
         return out, dec.draft_totals()
 
