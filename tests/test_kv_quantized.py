@@ -95,6 +95,21 @@ def test_batched_rows_equal_single_sequence_quantized_kv(lm: tuple[Any, Any],
                         []) != expected
 
 
+def test_the_serial_decoder_runs_on_quantized_kv_and_checkpoints_it(
+        lm: tuple[Any, Any]) -> None:
+    """``--no-batching`` (and unbatchable models): one sequence through ``generate_step``
+    on quantized KV; its prompt checkpoint is a plain ``QuantizedKVCache`` per layer."""
+    from mlxd.engines.text.mlx_lm_decoder import LMSerialDecoder
+
+    model, _ = lm
+    serial = LMSerialDecoder(model, prefill_step_size=64, kv_quantization=KVQuantization(4))
+    steps = serial.start(SimpleNamespace(tokens=PROMPTS[2]), greedy, [], 10,  # type: ignore[arg-type]
+                         checkpoint_prompt=True)
+    assert [int(t) for t, _ in steps] == lone(model, PROMPTS[2], 10, 4)
+    state = serial.prompt_state()
+    assert state is not None and all(type(c) is QuantizedKVCache for c in state[0])
+
+
 def test_a_hybrids_attention_layers_quantize_and_its_recurrent_state_stays(
         session_dir: Path) -> None:
     """Qwen3-Next (gated delta-net + attention, 64-dim heads here): the batch equals a lone
