@@ -219,6 +219,14 @@ def run_lora(args: argparse.Namespace) -> dict[str, Any]:
     return {"exit_code": lora.main([*argv, "--quick"] if args.quick else argv)}
 
 
+def run_kv(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench/kv.py``: quantized KV against full precision, in-process (``kv.md``)."""
+    from bench import kv
+
+    argv = ["--home", str(args.home), "--out", str(args.out)]
+    return {"exit_code": kv.main([*argv, "--quick"] if args.quick else argv)}
+
+
 def plot_series(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Throughput levels per contender, the raw BatchGenerator as one more line."""
     series = {n: s.get("throughput", []) for n, s in results["servers"].items()
@@ -255,6 +263,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "bench/speculative_draft.py)")
     p.add_argument("--no-lora", action="store_true",
                    help="skip the LoRA adapters benchmark (bench/lora.py)")
+    p.add_argument("--no-kv", action="store_true",
+                   help="skip the quantized KV benchmark (bench/kv.py)")
     p.add_argument("--no-tts", action="store_true",
                    help="skip the text-to-speech benchmark (bench/audio_tts.py)")
     p.add_argument("--no-stt", action="store_true",
@@ -306,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         results["speculative"] = run_speculative(args)
     if not args.no_lora:
         results["lora"] = run_lora(args)
+    if not args.no_kv:
+        results["kv"] = run_kv(args)
     if not args.no_tts:
         results["audio_tts"] = run_audio_tts(args)
     if not args.no_stt:

@@ -66,9 +66,11 @@ def workloads(quick: bool) -> list[Workload]:
 
 
 def _decode(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int,
-            spec: bool, num_draft_tokens: int, draft: Any = None) -> dict[str, Any]:
+            spec: bool, num_draft_tokens: int, draft: Any = None,
+            kv: Any = None) -> dict[str, Any]:
     """Greedy decode of ``prompts``; ``spec`` drafts by prompt lookup, or with the draft
-    model ``draft`` when one is given (``bench/speculative_draft.py``)."""
+    model ``draft`` when one is given (``bench/speculative_draft.py``); ``kv``: a
+    ``KVQuantization`` for the batch's KV (``bench/kv.py``)."""
     from mlxd.engines.text.draft import DraftModel
     from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
     from mlxd.engines.text.prompt_limits import vocab_bound
@@ -82,7 +84,7 @@ def _decode(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int,
                              speculative=SpeculativeOptions(
                                  mode=mode, num_draft_tokens=num_draft_tokens),
                              drafter=(lambda: DraftModel(draft, vocab=vocab))
-                             if mode == "draft" else None)
+                             if mode == "draft" else None, kv_quantization=kv)
     owner = {decoder.insert(SimpleNamespace(tokens=p), 0, None, greedy, [], set(eos),  # type: ignore[arg-type]
                             max_tokens): i for i, p in enumerate(prompts)}
     out: list[list[int]] = [[] for _ in prompts]

@@ -14,6 +14,26 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# Quantized KV (--kv-bits, --kv-group-size): what ``mx.quantize`` takes and serving wants
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def check_kv_bits(bits: int | None) -> int | None:
+    """``bits`` when it is None or one of ``KV_BITS``, else ``ValueError`` naming them."""
+    if bits is not None and bits not in KV_BITS:
+        raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} "
+                         f"(got {bits})")
+    return bits
+
+
+def check_kv_group_size(size: int | None) -> int | None:
+    """``size`` when it is None or one of ``KV_GROUP_SIZES``, else ``ValueError``."""
+    if size is not None and size not in KV_GROUP_SIZES:
+        raise ValueError(f"kv_group_size must be one of "
+                         f"{', '.join(map(str, KV_GROUP_SIZES))} (got {size})")
+    return size
+
 
 def default_home() -> Path:
     return Path(os.environ.get("MLXD_HOME") or Path.home() / ".cache" / "mlxd")
@@ -107,6 +127,12 @@ class ServerConfig(BaseSettings):
     contention: Literal["wait", "fail"] | None = None
     wait_timeout_s: float | None = None
     kv_reserve_tokens: int = 32_768
+    kv_bits: int | None = Field(None, description=(
+        "keep text models' attention KV quantized to 4 or 8 bits in the batch and the "
+        "prefix cache (default: the model's float dtype; see docs/memory.md)"))
+    kv_group_size: int = Field(64, description=(
+        "values per scale and bias of quantized KV (32, 64 or 128; must divide the "
+        "model's head dimension)"))
     kv_output_estimate: int = Field(1024, gt=0, description=(
         "output tokens admission by live KV expects of a request that sets no limit (it may "
         "grow past it while memory allows; see docs/memory.md)"))
@@ -168,6 +194,17 @@ class ServerConfig(BaseSettings):
     # Response store (Responses API)
     response_store_max: int = 1000
     response_store_bytes: int = 64 * 1024 * 1024
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _kv_bits(cls, v: int | None) -> int | None:
+        return check_kv_bits(v)
+
+    @field_validator("kv_group_size")
+    @classmethod
+    def _kv_group_size(cls, v: int) -> int:
+        check_kv_group_size(v)
+        return v
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -54,6 +54,14 @@ FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--kv-reserve-tokens", "kv_reserve_tokens", {
         "type": int, "help": "tokens of KV cache reserved in a text model's memory estimate "
                              "(default 32768)"}),
+    ("--kv-bits", "kv_bits", {
+        "type": int, "choices": [4, 8],
+        "help": "keep text models' attention KV quantized to 4 or 8 bits (default: "
+                "full precision; see docs/memory.md)"}),
+    ("--kv-group-size", "kv_group_size", {
+        "type": int, "choices": [32, 64, 128],
+        "help": "values per scale of quantized KV (default 64; must divide the head "
+                "dimension)"}),
     ("--kv-output-estimate", "kv_output_estimate", {
         "type": int, "help": "output tokens admission by live KV expects of a request that "
                              "sets no limit (default 1024; see docs/memory.md)"}),

@@ -68,7 +68,9 @@ class EngineFactory:
             speculative=SpeculativeOptions(mode=speculative_mode(cfg.speculative, entry),
                                            num_draft_tokens=cfg.num_draft_tokens),
             draft_model=self.draft_path(entry),
-            adapters={name: Path(folder) for name, folder in entry.adapters.items()})
+            adapters={name: Path(folder) for name, folder in entry.adapters.items()},
+            kv_bits=d.kv_bits or cfg.kv_bits,
+            kv_group_size=d.kv_group_size or cfg.kv_group_size)
 
     def draft_path(self, entry: ModelEntry) -> Path | None:
         """The entry's draft model as a local folder (downloaded or converted if needed),

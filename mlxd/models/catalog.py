@@ -133,7 +133,10 @@ def registration_for(entry: ModelEntry, config: ServerConfig, budget: int) -> Re
                           max_num_seqs=entry.defaults.max_num_seqs or config.max_num_seqs,
                           context=context, kv_reserve_tokens=config.kv_reserve_tokens,
                           prefix_cache_bytes=prefix_cache_bytes(config, budget),
-                          dtype_bytes=dtype_bytes, audio_seconds=config.max_audio_seconds)
+                          dtype_bytes=dtype_bytes, audio_seconds=config.max_audio_seconds,
+                          kv_bits=(entry.defaults.kv_bits or config.kv_bits
+                                   if kind == ModelKind.TEXT else None),
+                          kv_group_size=entry.defaults.kv_group_size or config.kv_group_size)
     est = MemoryEstimate(est.weights + adapter_bytes(entry, kind, path), est.reserve)
     draft = draft_folder(entry, kind)
     if draft is not None:

@@ -78,14 +78,21 @@ def weights_bytes_of_folder(folder: Path) -> int:
     return total
 
 
-def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 4) -> int:
+def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 4, kv_bits: int | None = None,
+                       kv_group_size: int = 64) -> int:
+    """K and V of every layer for one token. Quantized KV (``kv_bits``) holds each value in
+    ``kv_bits`` bits plus, per ``kv_group_size`` values, a scale and a bias of the model's
+    dtype (``mx.quantize``'s layout)."""
     cfg = config.get("text_config") or config
     layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers") or 0)
     heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or 1)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     hidden = int(cfg.get("hidden_size") or cfg.get("n_embd") or 0)
     head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    values = 2 * layers * kv_heads * head_dim
+    if kv_bits is None:
+        return values * dtype_bytes
+    return values * kv_bits // 8 + values // kv_group_size * 2 * dtype_bytes
 
 
 def encoder_activation_bytes(config: dict[str, Any], batch_tokens: int,
@@ -158,11 +165,14 @@ def estimate_memory(kind: ModelKind, weights: int, config: dict[str, Any] | None
                     kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS,
                     prefix_cache_bytes: int = 0, dtype_bytes: int = 4,
                     encoder_batch_tokens: int = 8192,
-                    audio_seconds: float = 1800.0) -> MemoryEstimate:
-    """Weights plus the reserve for this kind's serving limits."""
+                    audio_seconds: float = 1800.0, kv_bits: int | None = None,
+                    kv_group_size: int = 64) -> MemoryEstimate:
+    """Weights plus the reserve for this kind's serving limits (a text model's KV at
+    ``kv_bits`` when it is quantized)."""
     if kind in (ModelKind.TEXT, ModelKind.VISION):
         tokens = min(max_num_seqs * context, kv_reserve_tokens)
-        reserve = kv_bytes_per_token(config or {}, dtype_bytes) * tokens + prefix_cache_bytes
+        per_token = kv_bytes_per_token(config or {}, dtype_bytes, kv_bits, kv_group_size)
+        reserve = per_token * tokens + prefix_cache_bytes
         if kind == ModelKind.VISION:  # + the feature cache and one image through the tower
             reserve += FEATURE_CACHE_BYTES + vision_activation_bytes(config or {},
                                                                      dtype_bytes=dtype_bytes)

@@ -9,6 +9,8 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mlxd.config import check_kv_bits, check_kv_group_size
+
 
 class ModelKind(str, Enum):
     TEXT = "text"
@@ -84,6 +86,19 @@ class ServingDefaults(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     max_num_seqs: int | None = Field(None, gt=0)
     max_context: int | None = Field(None, gt=0)
+    # quantized KV for this text model (--kv-bits / --kv-group-size when unset)
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _kv_bits(cls, v: int | None) -> int | None:
+        return check_kv_bits(v)
+
+    @field_validator("kv_group_size")
+    @classmethod
+    def _kv_group_size(cls, v: int | None) -> int | None:
+        return check_kv_group_size(v)
 
 
 _GLOB_CHARS = frozenset("*?[")

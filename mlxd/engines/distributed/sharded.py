@@ -222,6 +222,9 @@ class ShardedLanguageModel(MLXLanguageModel):
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = []
 
     def load(self) -> None:
+        if self.options.kv_bits is not None:  # the followers' batches keep full precision
+            raise ModelLoadError(self.name, "--kv-bits is not supported for a model sharded "
+                                            "over --hosts; serve it without quantized KV")
         opts = self.group_options
         self.group = join_group(opts.backend)
         link = GroupLink(opts, self.group.size())

@@ -37,6 +37,11 @@ from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
 from mlxd.engines.text.prefix_cache import PrefixCache, model_identity
 from mlxd.engines.text.prefix_disk import DiskTier
 from mlxd.engines.text.prompt_limits import max_token_chars, vocab_bound
+from mlxd.engines.text.quantized_cache import (
+    KVQuantization,
+    quantize_layers,
+    unsupported_layers,
+)
 from mlxd.engines.text.scheduler import (
     AsyncQueueSink,
     BatchScheduler,
@@ -90,6 +95,8 @@ class TextEngineOptions:
     speculative: SpeculativeOptions | None = None  # drafting in the batched scheduler
     draft_model: Path | None = None  # its folder, for ``speculative.mode == "draft"``
     adapters: dict[str, Path] = field(default_factory=dict)  # LoRA adapters: name -> folder
+    kv_bits: int | None = None  # attention KV quantized to this many bits (None: not)
+    kv_group_size: int = 64  # values per scale and bias of quantized KV
 
 
 __all__ = ["MLXLanguageModel", "PreparedPrompt", "TextEngineOptions", "context_length_of"]
@@ -137,6 +144,7 @@ class MLXLanguageModel:
         self.vocab_size = 0  # token ids a client may send: [0, vocab_size)
         self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
         self.kv: KVLedger | None = None  # admission by live KV, under a memory budget
+        self.kv_quantization: KVQuantization | None = None  # --kv-bits, checked at load
 
     # -- lifecycle (worker thread) -----------------------------------------
     def load(self) -> None:
@@ -160,6 +168,7 @@ class MLXLanguageModel:
         self._build_parsers()
         self.inputs = self._input_processor(config)
         probe_cache = make_prompt_cache(model)
+        self.kv_quantization = self._kv_quantization(model, probe_cache)
         # A recurrent state cannot be cut back to the system prompt a new conversation
         # shares with others: checkpoint it where the system messages end.
         self.inputs.checkpoint_system = (self.options.prefix_cache_bytes > 0
@@ -168,7 +177,7 @@ class MLXLanguageModel:
         self.scheduler = self._scheduler(model, probe_cache)
         self.kv = kv_ledger(model, config, self.worker.budget,
                             lambda: self._weights_bytes + self.options.prefix_cache_bytes,
-                            self.options.kv_output_estimate)
+                            self.options.kv_output_estimate, self.kv_quantization)
         if isinstance(self.scheduler, BatchScheduler):
             self.scheduler.kv = self.kv
         self.worker.set_stepper(self.scheduler)
@@ -176,6 +185,29 @@ class MLXLanguageModel:
             restored = self.prefix_cache.restore(self.options.prefix_cache_dir)
             if restored:
                 log.info("model %s: restored %d prefix cache entries", self.name, restored)
+
+    def _kv_quantization(self, model: Any, probe_cache: list[Any]) -> KVQuantization | None:
+        """``--kv-bits`` for this model, checked: every attention layer keeps a plain KV
+        cache (no sliding window) and attends through a quantized one (one token is run
+        through the model to see it, head dimension against the group size included)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        opts = self.options
+        if opts.kv_bits is None:
+            return None
+        kv = KVQuantization(opts.kv_bits, opts.kv_group_size)
+        flags = f"--kv-bits {kv.bits} --kv-group-size {kv.group_size}"
+        others = unsupported_layers(probe_cache)
+        if others:
+            raise ModelLoadError(self.name, f"{flags}: quantized KV replaces plain KV caches "
+                                            f"only; this model also keeps {', '.join(others)}")
+        try:
+            cache = quantize_layers(make_prompt_cache(model), kv)
+            mx.eval(model(mx.array([[0]]), cache=cache))
+        except Exception as e:
+            raise ModelLoadError(self.name, f"{flags}: this model cannot attend over "
+                                            f"quantized KV ({type(e).__name__}: {e})") from e
+        return kv
 
     def _load_model(self) -> tuple[Any, Any, dict[str, Any]]:
         """Weights, tokenizer and config (a sharded engine loads its shard instead)."""
@@ -274,7 +306,9 @@ class MLXLanguageModel:
         opts = replace(self.options,
                        prefill_step_size=cpu_prefill_chunk(self.options.prefill_step_size))
         if opts.prefix_cache_bytes > 0:
-            identity = model_identity(self.path)
+            kv = self.kv_quantization  # a quantized state never meets a full-precision one
+            identity = model_identity(self.path) + (
+                f":kv{kv.bits}g{kv.group_size}" if kv is not None else "")
             disk = (DiskTier(opts.prefix_cache_disk_dir, opts.prefix_cache_disk_bytes, identity)
                     if opts.prefix_cache_disk_bytes > 0 and opts.prefix_cache_disk_dir else None)
             self.prefix_cache = PrefixCache(opts.prefix_cache_bytes, identity=identity, disk=disk)
@@ -287,14 +321,15 @@ class MLXLanguageModel:
                                      prefill_step_size=opts.prefill_step_size,
                                      prefill_batch_size=prefill_batch,
                                      speculative=opts.speculative, drafter=self._drafter(),
-                                     adapter_rows=rows)
+                                     adapter_rows=rows, kv_quantization=self.kv_quantization)
             return BatchScheduler(
                 decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
                 max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
                 prefix_cache=self.prefix_cache, wake=self.worker.wake,
                 checkpoint_before_last=not is_trimmable(probe_cache), share_prefills=True)
         return SerialScheduler(
-            LMSerialDecoder(model, prefill_step_size=opts.prefill_step_size, adapter_rows=rows),
+            LMSerialDecoder(model, prefill_step_size=opts.prefill_step_size, adapter_rows=rows,
+                            kv_quantization=self.kv_quantization),
             self.tokenizer,
             max_queue=opts.max_queue, wake=self.worker.wake, prefix_cache=self.prefix_cache)
 
@@ -351,6 +386,9 @@ class MLXLanguageModel:
             "reasoning_parser": self.reasoning.name if self.reasoning else None,
             "tool_call_parser": self.tool_format.name if self.tool_format else None,
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0,
+            "kv_bits": self.kv_quantization.bits if self.kv_quantization else None,
+            "kv_group_size": (self.kv_quantization.group_size if self.kv_quantization
+                              else None),
             "draft_model": (str(self.options.draft_model)
                             if self.draft is not None and self.options.draft_model else None),
             # what --speculative resolved to for this model (auto: on a GPU or fast BLAS)

@@ -41,9 +41,10 @@ class GappedBatchKVCache(BatchKVCache):
 
     @classmethod
     def adopt(cls, cache: BatchKVCache) -> GappedBatchKVCache:
-        """Make ``cache`` (a plain ``BatchKVCache``, in place) a gapped one."""
+        """Make ``cache`` (a plain ``BatchKVCache``, in place) a gapped one (a batch class
+        with its own storage names its gapped form in ``gapped_class``)."""
         if not isinstance(cache, GappedBatchKVCache):
-            cache.__class__ = cls
+            cache.__class__ = getattr(cache, "gapped_class", cls)
             setattr(cache, "gaps", None)  # noqa: B010 (the instance's own attribute)
         return cache  # type: ignore[return-value]
 

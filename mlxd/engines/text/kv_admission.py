@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxd.engines.text.input_processor import PreparedPrompt
+from mlxd.engines.text.quantized_cache import KVQuantization
 from mlxd.errors import InvalidRequest
 from mlxd.models.memory import kv_bytes_per_token
 
@@ -49,6 +50,7 @@ class KVStats:
     allowance_bytes: int = 0  # at the last check
     preemptions: int = 0
     waiting_for_memory: int = 0  # queued sequences that the allowance holds back now
+    bytes_per_token: int = 0  # KV one token takes (quantized: its bits, scales and biases)
 
 
 class KVLedger:
@@ -182,7 +184,8 @@ class KVLedger:
         return KVStats(live_bytes=live * bpt, granted_bytes=granted * bpt,
                        peak_live_bytes=self.peak_live_tokens * bpt,
                        allowance_bytes=self._allowance, preemptions=self.preemptions,
-                       waiting_for_memory=self.waiting_for_memory)
+                       waiting_for_memory=self.waiting_for_memory,
+                       bytes_per_token=bpt)
 
 
 def cache_dtype_bytes(model: Any) -> int:
@@ -200,11 +203,13 @@ def cache_dtype_bytes(model: Any) -> int:
 
 def kv_ledger(model: Any, config: dict[str, Any], budget: Callable[[], tuple[int, int]] | None,
               own_bytes: Callable[[], int],
-              output_estimate: int = OUTPUT_ESTIMATE) -> KVLedger | None:
+              output_estimate: int = OUTPUT_ESTIMATE,
+              quantized: KVQuantization | None = None) -> KVLedger | None:
     """The ledger of a model served under a memory budget (None without one). Bytes per
     token count K and V of every layer (a hybrid's recurrent layers are counted as
-    attention: an over-estimate)."""
+    attention: an over-estimate), quantized ones at their bits, scales and biases."""
     if budget is None:
         return None
-    per_token = kv_bytes_per_token(config, cache_dtype_bytes(model))
+    bits, group = (quantized.bits, quantized.group_size) if quantized else (None, 64)
+    per_token = kv_bytes_per_token(config, cache_dtype_bytes(model), bits, group)
     return KVLedger(per_token, budget, own_bytes, output_estimate) if per_token else None

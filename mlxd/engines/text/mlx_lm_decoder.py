@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from mlxd.engines.text.decoder import (
     CacheAndTokens,
@@ -27,6 +27,7 @@ from mlxd.engines.text.decoder import (
 from mlxd.engines.text.hybrid_cache import SerialRun, prefill, segments, snapshot, with_context
 from mlxd.engines.text.input_processor import PreparedPrompt
 from mlxd.engines.text.lora import AdapterRows, route_rows
+from mlxd.engines.text.quantized_cache import KVQuantization, quantize_layers
 from mlxd.engines.text.recurrent_rewind import RecurrentReplay
 from mlxd.engines.text.speculative import (
     Drafter,
@@ -49,9 +50,11 @@ class LMBatchDecoder:
                  prefill_step_size: int, prefill_batch_size: int | None = None,
                  speculative: SpeculativeOptions | None = None,
                  drafter: Callable[[], Drafter] | None = None,
-                 adapter_rows: AdapterRows | None = None) -> None:
+                 adapter_rows: AdapterRows | None = None,
+                 kv_quantization: KVQuantization | None = None) -> None:
         self.model = model
         self._rows = adapter_rows  # each sequence's LoRA adapter (None: no adapters loaded)
+        self._kv = kv_quantization  # attention layers' KV quantized (None: full precision)
         self._speculative = speculative
         self._new_drafter = drafter  # a draft model's drafter per generator (None: lookup)
         self._spec: SpeculativeBatch | None = None
@@ -119,6 +122,9 @@ class LMBatchDecoder:
                sampler: Sampler, processors: list[LogitsProcessor], stop: set[int],
                max_tokens: int) -> int:
         tokens = prompt.tokens
+        if self._kv is not None:  # the row's attention layers join a quantized batch
+            cache = quantize_layers(cache if cache is not None else
+                                    make_prompt_cache(self.model), self._kv)
         # cut at the prompt's checkpoints (hybrids: where the system prompt ends) so the
         # generator stops there and the scheduler can store the state
         (uid,) = self._gen.insert_segments(
@@ -175,10 +181,12 @@ class LMSerialDecoder:
     """
 
     def __init__(self, model: Any, *, prefill_step_size: int,
-                 adapter_rows: AdapterRows | None = None) -> None:
+                 adapter_rows: AdapterRows | None = None,
+                 kv_quantization: KVQuantization | None = None) -> None:
         self.model = model
         self.prefill_step_size = prefill_step_size
         self._rows = adapter_rows  # the running sequence's LoRA adapter
+        self._kv = kv_quantization  # attention layers' KV quantized (None: full precision)
         self._run: SerialRun | None = None
 
     def start(self, prompt: PreparedPrompt, sampler: Sampler,
@@ -189,6 +197,8 @@ class LMSerialDecoder:
         if self._rows is not None:  # one sequence at a time: its slot holds until the next
             self._rows.set_slots([prompt.adapter_slot])
         cache = cache if cache is not None else make_prompt_cache(self.model)
+        if self._kv is not None:
+            cache = quantize_layers(cache, self._kv, QuantizedKVCache)
         states: list[CacheAndTokens] = []
         done = n_cached
         # up to each checkpoint (hybrids: where the system prompt ends), then all but the

@@ -44,6 +44,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import (
     KVCache,
     LRUPromptCache,
+    QuantizedKVCache,
     can_trim_prompt_cache,
     load_prompt_cache,
     save_prompt_cache,
@@ -108,9 +109,15 @@ def cut_copy(cache: list[Any], keep: int) -> list[Any]:
     for layer in cache:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if type(layer) is KVCache and keys is not None and values is not None:
-            copy = KVCache()
+            copy: Any = KVCache()
             copy.keys = mx.contiguous(keys[..., :keep, :])
             copy.values = mx.contiguous(values[..., :keep, :])
+            copy.offset = keep
+            out.append(copy)
+        elif type(layer) is QuantizedKVCache and keys is not None and values is not None:
+            copy = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+            copy.keys = tuple(mx.contiguous(x[..., :keep, :]) for x in keys)
+            copy.values = tuple(mx.contiguous(x[..., :keep, :]) for x in values)
             copy.offset = keep
             out.append(copy)
         else:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class DiskTier:
     def wants(self, namespace: str, tokens: list[int], cache: list[Any]) -> bool:
         """Whether an evicted entry should be written: plain KV layers, not on disk yet
         (an entry already there counts as used now)."""
-        if not tokens or any(type(c) is not KVCache or c.keys is None for c in cache):
+        if not tokens or any(type(c) not in (KVCache, QuantizedKVCache) or c.keys is None
+                             for c in cache):
             return False
         key = entry_key(namespace, tokens)
         with self._lock:

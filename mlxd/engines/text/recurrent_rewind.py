@@ -31,9 +31,18 @@ from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache
 
 from mlxd.engines.text.gapped_cache import GappedBatchKVCache
+from mlxd.engines.text.quantized_cache import (
+    GappedQuantizedBatchKVCache,
+    QuantizedBatchKVCache,
+    QuantizedRowKVCache,
+)
+
+# attention caches a rejected draft rewinds by trimming or masking
+_KV_TYPES = (BatchKVCache, GappedBatchKVCache, KVCache, QuantizedBatchKVCache,
+             GappedQuantizedBatchKVCache, QuantizedKVCache, QuantizedRowKVCache)
 
 
 def _replayable() -> tuple[type, ...]:
@@ -68,7 +77,7 @@ class RecurrentReplay:
         replayable = _replayable()
         modules: dict[int, Any] = {}
         for i, (layer, cache) in enumerate(zip(layers, caches)):
-            if type(cache) in (BatchKVCache, GappedBatchKVCache, KVCache):
+            if type(cache) in _KV_TYPES:
                 continue
             module = getattr(layer, "linear_attn", None)
             if type(cache) is not ArraysCache or type(module) not in replayable:

@@ -4,7 +4,8 @@ mlxd decodes through mlx-lm's ``BatchGenerator`` and keeps prefixes in its
 ``LRUPromptCache``; a few things it needs have no public API. This module is the
 one place that reads or writes them from outside mlx-lm's own classes, and
 ``PRIVATE`` lists every private name mlxd uses, those its subclasses
-(``SpeculativeBatch``, ``GappedBatchKVCache``) inherit included.
+(``SpeculativeBatch``, ``GappedBatchKVCache``, ``QuantizedBatchKVCache``) inherit
+included.
 ``tests/test_upstream_adapters.py`` checks each on the installed version; a model
 load runs ``ADAPTER.require`` (see ``upstream/versions.py``).
 """
@@ -33,9 +34,9 @@ PRIVATE = (
     Private(_GEN, "GenerationBatch", "_token_context", "attribute", _SPEC),
     Private(_GEN, "GenerationBatch", "_matchers", "attribute", f"{_SPEC}: stop sequences"),
     Private(_CACHE, "BatchKVCache", "_idx", "attribute",
-            "engines/text/gapped_cache.py: the batch's write position"),
+            "engines/text/gapped_cache.py and quantized_cache.py: the batch's write position"),
     Private(_CACHE, "BatchKVCache", "_right_padding", "attribute",
-            "engines/text/gapped_cache.py: GappedBatchKVCache.finalize"),
+            "engines/text/gapped_cache.py and quantized_cache.py: finalize"),
     Private(_CACHE, "LRUPromptCache", "_trie", "attribute",
             "engines/text/prefix_cache.py: peek and entries"),
     Private(_CACHE, "LRUPromptCache", "_lru", "attribute",

@@ -59,6 +59,10 @@ class MLXMultimodalLM(MLXLanguageModel):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
         from mlx_vlm.utils import load
 
+        if self.options.kv_bits is not None:  # mlx-vlm's batch keeps its own KV caches
+            raise ModelLoadError(self.name, "--kv-bits (quantized KV) is not supported for "
+                                            "vision models; serve this model without it (a "
+                                            "registry entry can set kv_bits per text model)")
         vlm_internals.ADAPTER.require(self.name)
         try:
             model, processor = load(str(self.path),

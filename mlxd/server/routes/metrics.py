@@ -121,6 +121,9 @@ class _KVGauges:
                                                labels=["model"])
         self.waiting = GaugeMetricFamily("mlxd_kv_waiting_for_memory", "Queued sequences "
                                          "waiting for KV memory", labels=["model"])
+        self.per_token = GaugeMetricFamily("mlxd_kv_bytes_per_token", "KV bytes one token "
+                                           "takes (at --kv-bits when quantized)",
+                                           labels=["model"])
 
     def add(self, model: str, stats: Any) -> None:
         self.live.add_metric([model], stats.live_bytes)
@@ -129,10 +132,11 @@ class _KVGauges:
         self.allowance.add_metric([model], stats.allowance_bytes)
         self.preemptions.add_metric([model], stats.preemptions)
         self.waiting.add_metric([model], stats.waiting_for_memory)
+        self.per_token.add_metric([model], stats.bytes_per_token)
 
     def families(self) -> list[Any]:
         return [self.live, self.granted, self.peak, self.allowance, self.preemptions,
-                self.waiting]
+                self.waiting, self.per_token]
 
 
 class _GroupGauges:
