@@ -214,3 +214,32 @@ def test_server_answers_as_without_speculation(
         assert http.get("/v1/models/vl").json()["speculative"] == "prompt-lookup"
     with plain.client() as http:
         assert http.get("/v1/models/vl").json()["speculative"] == "off"
+
+
+def test_turn_two_resumes_after_an_answer_that_ended_on_a_verify_step(
+        servers: tuple[RunningServer, RunningServer]) -> None:
+    """A row whose last tokens were accepted drafts stores its answer's KV state when it
+    leaves (the verify step fed several tokens at once), so turn 2 resumes past turn 1's
+    prompt, and answers as the server without speculation does."""
+    import openai
+
+    fast, plain = servers
+    first: Any = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png((40, 160, 90))}},
+        {"type": "text", "text": REPEAT}]}]
+    client = openai.OpenAI(base_url=fast.url + "/v1", api_key="x", max_retries=0)
+    one = client.chat.completions.create(model="vl", messages=first, temperature=0,
+                                         max_tokens=24)
+    assert one.usage is not None and one.usage.completion_tokens_details is not None
+    assert one.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    second = [*first, {"role": "assistant", "content": one.choices[0].message.content},
+              {"role": "user", "content": "And what shape is it, in one word?"}]
+    answers = []
+    for srv in (fast, plain):
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        answers.append(c.chat.completions.create(model="vl", messages=second, temperature=0,
+                                                 max_tokens=8))
+    details = answers[0].usage.prompt_tokens_details
+    cached = int(details.cached_tokens or 0) if details is not None else 0
+    assert cached > one.usage.prompt_tokens, (cached, one.usage.prompt_tokens)
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content

@@ -139,6 +139,13 @@ class SpeculativeVLMBatch(GenerationBatch):  # type: ignore[misc]
             batch.__class__ = cls
         batch.speculation = speculation
 
+    def cached_tokens(self, idx: int) -> list[int] | None:
+        """The tokens row ``idx``'s KV cache holds, as far as speculation tracked them (a
+        row that finished in a plain step lacks that step's token: its caller checks the
+        length)."""
+        state = self.speculation.rows.get(self.uids[idx])
+        return list(state.lookup.tokens) if state is not None else None
+
     # -- planning ------------------------------------------------------------
     def _drafting_rows(self) -> list[int]:
         """Rows that may draft this step: plain greedy rows whose context recurs."""
