@@ -193,7 +193,7 @@ def servers(qwen_folder: Path, session_dir: Path,
 def test_server_answers_as_without_speculation(
         servers: tuple[RunningServer, RunningServer]) -> None:
     """An image request with repetitive text: the same answer and token count, drafts
-    accepted in the usage, and the model card says how it drafts."""
+    accepted in the usage and /metrics, and the model card says how it drafts."""
     import openai
 
     fast, plain = servers
@@ -212,6 +212,10 @@ def test_server_answers_as_without_speculation(
     assert want.usage.completion_tokens_details.accepted_prediction_tokens == 0
     with fast.client() as http:
         assert http.get("/v1/models/vl").json()["speculative"] == "prompt-lookup"
+        metrics = http.get("/metrics").text
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith('mlxd_speculative_accepted_tokens_total{model="vl"}')]
+    assert accepted and float(accepted[0].split()[-1]) > 0
     with plain.client() as http:
         assert http.get("/v1/models/vl").json()["speculative"] == "off"
 
