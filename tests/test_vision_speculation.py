@@ -147,6 +147,68 @@ def test_rejected_drafts_rewind_each_row_by_its_own_count(qwen_folder: Path) -> 
     assert accepted > 10 and rejected > 0
 
 
+def test_rows_with_logprobs_and_processors_draft_and_match(qwen_folder: Path) -> None:
+    """Rows that carry the decoder's row sampler draft too: a greedy row asking for
+    logprobs gets the same tokens and log-probabilities (rejected positions forgotten), a
+    row constrained by a grammar the same tokens (the matcher sees, at each draft, the
+    drafts before it, and rolls back what was rejected), and a sampled row its full
+    length (sample, then compare: its distribution is the text path's, tested there)."""
+    from llguidance import LLMatcher
+
+    from mlxd.engines.text.sampling import build_sampler
+    from mlxd.engines.text.structured import GrammarTokenizer
+    from mlxd.generation.params import SamplingParams
+
+    vlm = load_vlm(qwen_folder, unit_scale=True)
+    model, processor = vlm
+    tok = processor.tokenizer
+    grammar = GrammarTokenizer(tok.backend_tokenizer, model.language_model.args.vocab_size,
+                               [int(tok.eos_token_id)])
+    regex = LLMatcher.grammar_from_regex("(red |blue |green )+")
+
+    def jobs() -> list[dict[str, Any]]:
+        out = joining_jobs(vlm)
+        out[0]["prompt"].request = SimpleNamespace(logprobs=True)
+        out[1]["procs"] = [grammar.processor(regex)]
+        out[3]["sampler"] = build_sampler(SamplingParams(temperature=0.3, top_k=2, seed=3))
+        out[3]["max"] = 24
+        return out
+
+    def run(spec: bool) -> tuple[list[list[int]], list[float], list[tuple[int, int]]]:
+        from mlxd.engines.vision.decoder import VLMBatchDecoder
+        from mlxd.engines.vision.features import embed_prompt
+
+        model, processor = vlm
+        eos = [int(processor.tokenizer.eos_token_id)]
+        decoder = VLMBatchDecoder(
+            model, processor, lambda p: embed_prompt(model, "qwen2_vl", p, None),
+            eos_ids=eos, max_num_seqs=4, prefill_step_size=512,
+            speculative=SpeculativeOptions(mode="prompt-lookup" if spec else "off",
+                                           num_draft_tokens=4, verify_cost=0.0))
+        logprobs: list[float] = []
+        uids: dict[int, int] = {}
+
+        def record(j: int, r: Any) -> None:
+            uids[j] = r.uid
+            if j == 0:
+                logprobs.append(float(r.logprobs[r.token].item()))
+
+        out = run_jobs(decoder, jobs(), eos, record)
+        counts = decoder.draft_counts(list(uids.values()))  # (accepted, rejected) per row
+        decoder.close()
+        return out, logprobs, [counts.get(uids[j], (0, 0)) for j in range(len(out))]
+
+    plain, plain_lp, _ = run(False)
+    fast, fast_lp, counts = run(True)
+    assert fast[:3] == plain[:3]
+    assert fast_lp == pytest.approx(plain_lp, abs=1e-4)
+    assert len(fast_lp) == len(fast[0]) == 40
+    assert len(fast[3]) == 24
+    # the rows with logprobs, a grammar and a sampler drafted, and drafts were rejected
+    assert all(counts[j][0] > 0 for j in (0, 1, 3)), counts
+    assert sum(c[1] for c in counts) > 0, counts
+
+
 @pytest.mark.parametrize(("family", "why"), [("gemma3", "RotatingKVCache"),
                                              ("paligemma", "bidirectional")])
 def test_models_that_cannot_rewind_decode_without_speculation(

@@ -129,6 +129,12 @@ class RowSampler:
         hot = mx.arange(logits.shape[-1]) == choice.reshape(-1, 1)
         return mx.where(hot, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, logits.dtype))
 
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` positions: drafts a speculative verify step rejected
+        (``engines/vision/speculative.py``); the processors follow their context."""
+        for _ in range(min(n, len(self.row.logprobs))):
+            self.row.logprobs.pop()
+
 
 def _generator_class() -> type:
     """mlx-vlm's ``BatchGenerator``, reusing cached prefixes that hold images.

@@ -9,13 +9,17 @@ adapts each row's draft length and backs off a row whose drafts fail, and
 ``verify_width`` decides whether a wider forward pays for the drafts.
 
 A verify step runs the language model once over ``[pending, d1..dK]`` for every
-row (shorter drafts padded), takes the greedy token at every position, and keeps
-each row's drafts while they equal the token sampled before them: the output is
-the one a plain step-by-step decode gives, token for token. Rows that asked for
-anything but greedy decoding (a sampler, logits processors, log-probabilities:
-the decoder gives those a ``RowSampler`` processor) never draft; they ride along
-in a verify step at its first position, where their processors run exactly as a
-plain step runs them.
+row (shorter drafts padded), samples every position as a plain step would, and
+keeps each row's drafts while they equal the token sampled before them ("sample,
+then compare", as the text path does): at temperature 0 the output is the one a
+plain step-by-step decode gives, token for token, and a sampled row accepts a
+draft with the probability its sampler gives it, so sampling keeps its
+distribution. Rows that sample, take logits processors or want log-probabilities
+carry the decoder's ``RowSampler`` processor: it runs at each drafted position
+with the context a plain step would have had there (grammars and penalties see
+the drafts before it; the grammar matcher rolls back what was rejected), and its
+``rollback`` forgets the log-probabilities of the positions that were rejected.
+A processor without ``rollback`` keeps its row from drafting.
 
 Positions. Qwen2-VL-style models (M-RoPE) place a row's text after its image by
 a per-row ``rope_deltas`` that mlx-vlm keeps on the batch; the language model adds
@@ -157,7 +161,8 @@ class SpeculativeVLMBatch(GenerationBatch):  # type: ignore[misc]
         processors = self.logits_processors or []
         rows = self.speculation.rows
         return [i for i, uid in enumerate(self.uids)
-                if not (i < len(processors) and processors[i])
+                if (i >= len(processors) or all(callable(getattr(p, "rollback", None))
+                                                for p in processors[i] or ()))
                 and uid in rows and rows[uid].ready()]
 
     def _plan(self) -> tuple[list[int], list[list[int]]] | None:
@@ -199,8 +204,9 @@ class SpeculativeVLMBatch(GenerationBatch):  # type: ignore[misc]
 
     # -- one verify step -----------------------------------------------------
     def _forward(self, inputs: mx.array, drafts: list[list[int]]) -> mx.array:
-        """Log-probabilities at every position of ``inputs``; rows with processors (they
-        never draft) get them applied at the first position, as a plain step would."""
+        """Log-probabilities at every position of ``inputs``. A row's processors run at
+        its pending token and at each of its drafts, each time with the context a plain
+        step would have had there (the row's tokens, then the drafts before it)."""
         kwargs: dict[str, Any] = {}
         if self._rope_deltas is not None:  # M-RoPE: each row's offset past its image
             kwargs["rope_deltas"] = self._rope_deltas
@@ -209,22 +215,29 @@ class SpeculativeVLMBatch(GenerationBatch):  # type: ignore[misc]
         logits = output.logits if hasattr(output, "logits") else output
         if self.logits_processors and any(self.logits_processors):
             self._ensure_token_context()
-            firsts = cast(list[int], inputs[:, 0].tolist())
+            tokens = cast(list[list[int]], inputs.tolist())
             rows = []
             for i, processors in enumerate(self.logits_processors):
-                self.token_context[i].append(firsts[i])
+                self.token_context[i].append(tokens[i][0])
                 if not processors:
                     rows.append(logits[i])
                     continue
-                head = logits[i, :1]
-                for p in processors:
-                    if hasattr(p, "process_last_token"):
-                        head = p.process_last_token(firsts[i], head)
-                    else:
-                        head = p(mx.array(self.token_context[i]), head)
-                rows.append(mx.concatenate([head, logits[i, 1:]], axis=0))
+                width = len(drafts[i]) + 1  # past a row's drafts is padding: left as is
+                done = [self._process(processors, logits[i, j:j + 1],
+                                      [*self.token_context[i], *tokens[i][1:j + 1]])
+                        for j in range(width)]
+                rows.append(mx.concatenate([*done, logits[i, width:]], axis=0))
             logits = mx.stack(rows)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    @staticmethod
+    def _process(processors: list[Any], logits: mx.array, context: list[int]) -> mx.array:
+        for p in processors:
+            if hasattr(p, "process_last_token"):  # such a row never drafts: one position
+                logits = p.process_last_token(context[-1], logits)
+            else:
+                logits = p(mx.array(context), logits)
+        return logits
 
     def _verify(self, pending: list[int],
                 drafts: list[list[int]]) -> list[GenerationBatch.Response]:
@@ -253,6 +266,10 @@ class SpeculativeVLMBatch(GenerationBatch):  # type: ignore[misc]
                 self.token_context[i].extend(draft[:a])
             if draft:
                 spec.account(uid, len(draft), a)
+                processors: list[Any] = (self.logits_processors[i]
+                                         if self.logits_processors else None) or []
+                for p in processors:
+                    p.rollback(len(draft) - a)  # what it saw at the rejected positions
         rewind(self.prompt_cache, rejected)
         # the tokens this step fed (engines/vision/turns.py reads them when a row leaves);
         # mypy types these by the None mlx-vlm starts them with
