@@ -8,7 +8,14 @@ sends its own image (a data: URL, so every request runs the vision tower) and st
 TTFT at concurrency 1 and 4, and turn-2 TTFT: a second turn about the same image (the
 first turn's answer in the history) against the first turn's TTFT.
 
-    python -m bench.vision [--quick] [--servers mlxd,mlx_vlm.server,vllm-mlx]
+mlxd runs twice: ``mlxd`` with prompt-lookup speculation forced on (``--speculative
+prompt-lookup``: what ``auto`` picks on a GPU or with a fast BLAS) and ``mlxd-plain``
+with it off. The c4 comparison of the two is reported with the drafts accepted and
+whether every answer came out the same (it must, at temperature 0). A random-weight
+model repeats itself, which drafts well and so flatters the speed-up: read it as an
+upper bound, not what a trained model describing a photo would get.
+
+    python -m bench.vision [--quick] [--servers mlxd,mlxd-plain,mlx_vlm.server,vllm-mlx]
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import httpx
 from bench.servers import ServerProcess, ServerSpec, free_port, subprocess_env, write_report
 
 REPO = Path(__file__).resolve().parent.parent
-CONTENDERS = ("mlxd", "mlx_vlm.server", "vllm-mlx")
+CONTENDERS = ("mlxd", "mlxd-plain", "mlx_vlm.server", "vllm-mlx")
+# mlxd's speculation per contender (``--speculative``)
+MLXD_SPECULATIVE = {"mlxd": "prompt-lookup", "mlxd-plain": "off"}
 SERVED = "bench-vlm"
 FULL_SHAPE = dict(hidden=1024, layers=16, heads=16, kv_heads=4, intermediate=2816,
                   vision_hidden=768, vision_layers=12, vision_heads=12,
@@ -62,10 +71,11 @@ def image_url(seed: int, size: int = 224) -> str:
 
 def spec(name: str, folder: Path, port: int, home: Path) -> ServerSpec:
     host = ("--host", "127.0.0.1", "--port", str(port))
-    if name == "mlxd":
+    if name in MLXD_SPECULATIVE:
         return ServerSpec(name, (sys.executable, "-m", "mlxd", "serve", str(folder), *host,
                                  "--served-model-name", SERVED, "--no-starter", "--home",
-                                 str(home), "--log-level", "warning"), SERVED)
+                                 str(home), "--log-level", "warning",
+                                 "--speculative", MLXD_SPECULATIVE[name]), SERVED)
     if name == "mlx_vlm.server":
         return ServerSpec(name, (sys.executable, "-m", "mlx_vlm.server", "--model", str(folder),
                                  *host), str(folder), "/health")
@@ -97,8 +107,10 @@ async def chat(client: httpx.AsyncClient, url: str, model: str,
                     chunks += 1
                     text += piece
     tokens = int(usage["completion_tokens"]) if usage else chunks
+    details = (usage or {}).get("completion_tokens_details") or {}
     return {"ttft_s": ttft, "tokens": tokens, "text": text,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start,
+            "accepted": int(details.get("accepted_prediction_tokens") or 0)}
 
 
 def user_turn(url: str, text: str = QUESTION) -> dict[str, Any]:
@@ -122,7 +134,9 @@ async def level(url: str, model: str, concurrency: int, requests: int, max_token
     tokens = sum(r["tokens"] for r in results)
     return {"concurrency": concurrency, "requests": requests, "tokens": tokens,
             "wall_s": wall, "aggregate_tok_s": tokens / wall,
-            "ttft_p50_s": statistics.median(ttfts) if ttfts else None}
+            "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "drafts_accepted": sum(r["accepted"] for r in results),
+            "texts": [r["text"] for r in results]}
 
 
 async def first_token(client: httpx.AsyncClient, url: str, model: str,
@@ -203,7 +217,23 @@ def markdown(results: dict[str, Any]) -> str:
                      f"{f(c4['aggregate_tok_s'])} | {f(c4['ttft_p50_s'], ' s')} | "
                      f"{f(t['turn1_ttft_s'], ' s')} | {f(t['turn2_ttft_s'], ' s')} | "
                      f"{f(t['speedup'], 'x')} |")
+    lines += speculation_lines(results["servers"])
     return "\n".join(lines) + "\n"
+
+
+def speculation_lines(servers: dict[str, Any]) -> list[str]:
+    """mlxd at c4 with prompt-lookup speculation against mlxd without it (when both ran)."""
+    on, off = servers.get("mlxd") or {}, servers.get("mlxd-plain") or {}
+    if not on.get("levels") or not off.get("levels"):
+        return []
+    fast, plain = on["levels"][1], off["levels"][1]
+    same = fast["texts"] == plain["texts"]
+    drafted = fast["drafts_accepted"] / max(1, fast["tokens"])
+    return ["", "Speculation at c4 (mlxd, prompt lookup, against mlxd with it off): "
+            f"{fast['aggregate_tok_s'] / plain['aggregate_tok_s']:.2f}x aggregate tok/s; "
+            f"{fast['drafts_accepted']} of {fast['tokens']} tokens were accepted drafts "
+            f"({drafted:.0%}); answers identical: {'yes' if same else 'NO'}. A random-weight "
+            "model repeats itself, which flatters acceptance."]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -14,7 +14,8 @@ def run_jobs(decoder: Any, jobs: list[dict[str, Any]], eos: list[int],
     """Each job's tokens through ``decoder`` until every job finishes.
 
     A job is ``{"tokens", "max"}`` plus optional ``join`` (the step it enters at),
-    ``sampler`` and ``procs``; ``on_response(job index, response)`` sees every response.
+    ``sampler``, ``procs`` and ``prompt`` (a prepared prompt, for decoders that read
+    more than its tokens: images); ``on_response(job index, response)`` sees every response.
     """
     out: list[list[int]] = [[] for _ in jobs]
     waiting = list(enumerate(jobs))
@@ -22,7 +23,8 @@ def run_jobs(decoder: Any, jobs: list[dict[str, Any]], eos: list[int],
     done, step = 0, 0
     while done < len(jobs):
         for j, job in [w for w in waiting if w[1].get("join", 0) <= step]:
-            uid = decoder.insert(SimpleNamespace(tokens=job["tokens"]), 0, None,
+            prompt = job.get("prompt") or SimpleNamespace(tokens=job["tokens"])
+            uid = decoder.insert(prompt, 0, None,
                                  job.get("sampler", greedy), job.get("procs", []), set(eos),
                                  job["max"])
             owner[uid] = j

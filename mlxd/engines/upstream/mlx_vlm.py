@@ -4,7 +4,8 @@ Vision models decode through mlx-vlm's ``BatchGenerator`` and keep prefixes in i
 ``APCManager``. This module is the one place that reads their private state from
 outside mlx-vlm's classes, and ``PRIVATE`` lists every private name mlxd uses, those
 its subclasses (``MediaKeyedGenerator``, ``CountingAPCManager`` in
-``engines/vision/decoder.py``) override or inherit included. The llava patches
+``engines/vision/decoder.py``, ``SpeculativeVLMBatch`` in ``engines/vision/speculative.py``)
+override or inherit included. The llava patches
 (``engines/vision/patches/``) carry their own version table and self-checks.
 ``tests/test_upstream_adapters.py`` checks each name on the installed version; a model
 load runs ``ADAPTER.require`` (see ``upstream/versions.py``).
@@ -18,6 +19,7 @@ from mlxd.engines.upstream.versions import Adapter, Private
 
 _AR = "mlx_vlm.generate.ar"
 _DECODER = "engines/vision/decoder.py"
+_SPEC = "engines/vision/speculative.py: SpeculativeVLMBatch"
 
 PRIVATE = (
     Private(_AR, "BatchGenerator", "_generation_batch", "attribute",
@@ -32,9 +34,20 @@ PRIVATE = (
             f"{_DECODER}: MediaKeyedGenerator reuses prefixes with images",
             ("ids_list", "prefix_len")),
     Private(_AR, "GenerationBatch", "_next_tokens", "attribute",
-            f"{_DECODER}: the first token of each row that joins"),
+            f"{_DECODER}: the first token of each row that joins; {_SPEC}: pending tokens"),
     Private(_AR, "GenerationBatch", "_current_tokens", "attribute",
-            "engines/vision/turns.py: the token in flight when an answer is stored"),
+            "engines/vision/turns.py: the token in flight when an answer is stored; "
+            f"{_SPEC} sets it to the tokens a verify step fed"),
+    Private(_AR, "GenerationBatch", "_current_lps", "attribute", _SPEC),
+    Private(_AR, "GenerationBatch", "_next_lps", "attribute", _SPEC),
+    Private(_AR, "GenerationBatch", "_num_tokens", "attribute",
+            f"{_SPEC}: tokens generated per row (max_tokens)"),
+    Private(_AR, "GenerationBatch", "_rope_deltas", "attribute",
+            f"{_SPEC}: each row's M-RoPE position delta, passed to the verify forward"),
+    Private(_AR, "GenerationBatch", "_language_model", "attribute",
+            f"{_SPEC}: the model a verify step runs"),
+    Private(_AR, "GenerationBatch", "_ensure_token_context", "method",
+            f"{_SPEC}: the processors' context before a verify step appends to it"),
     Private(_AR, "", "_apc_semantic_hash", "key",
             f"{_DECODER}: each prompt's media salt for the prefix cache"),
     Private("mlx_vlm.apc", "APCManager", "_resident_bytes_locked", "method",

@@ -36,11 +36,12 @@ drops the batch's own copy of that token when the step returns it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -54,8 +55,12 @@ from mlxd.engines.text.decoder import (
 )
 from mlxd.engines.text.input_processor import PreparedPrompt
 from mlxd.engines.text.sampling import greedy
+from mlxd.engines.text.speculative import SpeculativeOptions
 from mlxd.engines.upstream import mlx_vlm as vlm_internals
+from mlxd.engines.vision.speculative import Speculation, SpeculativeVLMBatch, rewindable
 from mlxd.engines.vision.turns import AnswerKeeper
+
+log = logging.getLogger(__name__)
 
 EmbedFn = Callable[[PreparedPrompt], dict[str, Any]]
 NamespaceFn = Callable[[PreparedPrompt], int]
@@ -124,6 +129,12 @@ class RowSampler:
         hot = mx.arange(logits.shape[-1]) == choice.reshape(-1, 1)
         return mx.where(hot, mx.zeros_like(logits), mx.full(logits.shape, -mx.inf, logits.dtype))
 
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` positions: drafts a speculative verify step rejected
+        (``engines/vision/speculative.py``); the processors follow their context."""
+        for _ in range(min(n, len(self.row.logprobs))):
+            self.row.logprobs.pop()
+
 
 def _generator_class() -> type:
     """mlx-vlm's ``BatchGenerator``, reusing cached prefixes that hold images.
@@ -137,6 +148,7 @@ def _generator_class() -> type:
 
     class MediaKeyedGenerator(BatchGenerator):  # type: ignore[misc]
         answers: AnswerKeeper | None = None  # set per instance by the decoder
+        speculation: Speculation | None = None  # prompt lookup (None: off), by the decoder
         first_tokens: list[tuple[int, int]]  # (uid, token) of rows that just joined
 
         def _apc_prefix_has_media_tokens(self, ids_list: list[int], prefix_len: int) -> bool:
@@ -150,6 +162,8 @@ def _generator_class() -> type:
                 self.first_tokens.extend(zip(map(int, gen_batch.uids),
                                              map(int, firsts.tolist()), strict=True))
             super()._extend_generation_batch(gen_batch)
+            if self.speculation is not None:  # the running batch verifies drafts
+                SpeculativeVLMBatch.adopt(self._generation_batch, self.speculation)
             # Rows leaving the batch store their answer's KV too (engines/vision/turns.py).
             if self.answers is not None:
                 self.answers.watch(self._generation_batch, self.apc_manager)
@@ -204,7 +218,8 @@ class VLMBatchDecoder:
 
     def __init__(self, model: Any, processor: Any, embed: EmbedFn, *, eos_ids: list[int],
                  max_num_seqs: int, prefill_step_size: int,
-                 namespace: NamespaceFn | None = None, prefix_cache_bytes: int = 0) -> None:
+                 namespace: NamespaceFn | None = None, prefix_cache_bytes: int = 0,
+                 speculative: SpeculativeOptions | None = None, name: str = "") -> None:
         self.model = model
         self.processor = processor
         self._embed = embed
@@ -220,6 +235,8 @@ class VLMBatchDecoder:
         self.prefix_hits = 0
         self.prefix_misses = 0
         self.answers = AnswerKeeper()
+        options = _speculation_options(model, speculative, self._eos, name)
+        self._spec = Speculation(options) if options is not None else None
         self._gen = self._new_generator()
 
     def _new_apc(self) -> Any:
@@ -243,7 +260,30 @@ class VLMBatchDecoder:
             apc_manager=self._apc)
         gen.answers = self.answers
         gen.first_tokens = []
+        if self._spec is not None:
+            self._spec.rows.clear()
+        gen.speculation = self._spec
         return gen
+
+    # -- speculative decoding (engines/vision/speculative.py) --------------------
+    @property
+    def speculation(self) -> str:
+        """How this decoder drafts: ``prompt-lookup`` or ``off``."""
+        return "prompt-lookup" if self._spec is not None else "off"
+
+    def draft_counts(self, uids: list[int]) -> dict[int, tuple[int, int]]:
+        """(accepted, rejected) draft tokens of sequences that left; forgotten once read."""
+        spec = self._spec
+        if spec is None:
+            return {}
+        for uid in uids:
+            spec.forget(uid)
+        return {u: (c.accepted, c.rejected) for u, c in spec.pop_counts(uids).items()}
+
+    def draft_totals(self) -> tuple[int, int]:
+        """(accepted, rejected) draft tokens since the decoder started."""
+        spec = self._spec
+        return (spec.totals.accepted, spec.totals.rejected) if spec is not None else (0, 0)
 
     # -- the Decoder interface -------------------------------------------------
     def insert(self, prompt: PreparedPrompt, n_cached: int, cache: list[Any] | None,
@@ -259,6 +299,8 @@ class VLMBatchDecoder:
         (uid,) = self._gen.insert([list(prompt.tokens)], max_tokens=[max_tokens],
                                   prompt_kwargs=[kwargs], logits_processors=[proc])
         self._rows[int(uid)] = row
+        if self._spec is not None:
+            self._spec.track(int(uid), prompt.tokens)
         if self._namespace is not None:  # the row's tokens grow as it decodes
             self.answers.track(int(uid), row.tokens, int(kwargs["_apc_semantic_hash"]))
         return int(uid)
@@ -346,6 +388,8 @@ class VLMBatchDecoder:
             self._gen.remove(uid)
             self._rows.pop(uid, None)
             self.answers.forget(uid)  # removed before it decoded: nothing stored
+            if self._spec is not None:
+                self._spec.forget(uid)
         return {}
 
     def extract_cache(self, uids: list[int]) -> dict[int, CacheAndTokens]:
@@ -380,3 +424,22 @@ class VLMBatchDecoder:
     def close(self) -> None:
         self._gen.close()
         self._rows.clear()
+
+
+def _speculation_options(model: Any, options: SpeculativeOptions | None, eos: list[int],
+                         name: str) -> SpeculativeOptions | None:
+    """The options this model speculates with (end-of-sequence tokens never drafted), or
+    None: speculation off, not enabled on this device (``SpeculativeOptions.enabled``),
+    or not possible for the model (said once, at load)."""
+    if options is None or not options.enabled:
+        return None
+    if options.mode == "draft":
+        log.warning("model %s: vision models do not draft with a draft model; decoding "
+                    "without speculation", name)
+        return None
+    why = rewindable(model.language_model)
+    if why is not None:
+        log.warning("model %s: no prompt-lookup speculation, as %s; decoding without it",
+                    name, why)
+        return None
+    return replace(options, stop_ids=frozenset(eos))

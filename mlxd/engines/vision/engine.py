@@ -122,7 +122,8 @@ class MLXMultimodalLM(MLXLanguageModel):
                                   max_num_seqs=opts.max_num_seqs,
                                   prefill_step_size=opts.prefill_step_size,
                                   namespace=self._namespace,
-                                  prefix_cache_bytes=self._prefix_cache_bytes())
+                                  prefix_cache_bytes=self._prefix_cache_bytes(),
+                                  speculative=opts.speculative, name=self.name)
         return BatchScheduler(decoder, self.tokenizer, max_num_seqs=opts.max_num_seqs,
                               max_queue=opts.max_queue, prefill_step_size=opts.prefill_step_size,
                               prefix_cache=None, wake=self.worker.wake)
@@ -166,6 +167,8 @@ class MLXMultimodalLM(MLXLanguageModel):
         features = self.features
         decoder = self._vlm_decoder()  # the prefix cache is mlx-vlm's, inside the decoder
         out.update(prefix_cache_bytes=decoder.prefix_cache_nbytes() if decoder else 0)
+        # what --speculative resolved to (off where the model's caches cannot rewind)
+        out.update(speculative=decoder.speculation if decoder else "off")
         out.update(model_type=self.model_type,
                    patches=self._patches.names if self._patches else [],
                    feature_cache_bytes=features.nbytes if features else 0,

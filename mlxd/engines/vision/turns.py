@@ -94,6 +94,11 @@ def fed_tokens(batch: Any, idx: int, tokens: list[int]) -> list[int] | None:
     if keys is None:
         return None
     length = int(keys.shape[2])
+    # a speculating batch knows each row's tokens in its cache (a verify step feeds several)
+    known = getattr(batch, "cached_tokens", None)
+    ids = known(idx) if callable(known) else None
+    if ids is not None and len(ids) == length:
+        return ids
     ids = list(tokens)
     current = vlm_internals.current_tokens(batch)
     if len(ids) == length - 1 and current is not None:
