@@ -23,6 +23,7 @@ Everything here is mlx-whisper's public API (``decode``, ``DecodingOptions``,
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -130,6 +131,7 @@ class Upload:
         self.on_window = on_window
         self.token = token
         self.future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self.arrived = time.monotonic()
         self._check_language = check_language
         self.prepared = False
         self.cuts: list[tuple[int, int]] = []

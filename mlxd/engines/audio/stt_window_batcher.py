@@ -7,7 +7,8 @@ step takes up to ``SPEECH_BATCH_WINDOWS`` windows (the number the model's memory
 estimate reserves activations for, so sharing never raises the peak) from every
 waiting upload that decodes with the same options, one window from each in
 turn, oldest upload first, and runs them through the encoder and the token loop
-together. An upload that arrives while a batch runs joins the next one. Each
+together. An upload that arrives while a batch runs joins the next one; a batch
+with room waits ``GATHER_S`` after a new upload's arrival for others sent with it. Each
 upload's windows go in order (a batch takes its next ones), so streaming sends
 them in order as their batch ends.
 
@@ -34,15 +35,19 @@ from mlxd.errors import Overloaded
 from mlxd.runtime.worker import JobCancelled
 
 log = logging.getLogger(__name__)
+# How long a batch with room waits after an upload arrives, for uploads sent with it: a
+# small part of one window's decode (seconds on a CPU, a few hundred ms on a GPU).
+GATHER_S = 0.2
 
 
 class WindowBatcher:
     """The waiting uploads of one Whisper model and the batches that decode them."""
 
     def __init__(self, model: Any, wake: Callable[[], None],
-                 batch_size: int = BATCH_SIZE) -> None:
+                 batch_size: int = BATCH_SIZE, gather_s: float = GATHER_S) -> None:
         self.model = model
         self.batch_size = batch_size
+        self.gather_s = gather_s
         self._wake = wake
         self._lock = threading.Lock()
         self._uploads: list[Upload] = []  # arrival order
@@ -74,6 +79,15 @@ class WindowBatcher:
         group = self._ready_group()
         if not group:
             return
+        fresh = [u.arrived for u in group if u.picked == 0]
+        if fresh and sum(len(u.cuts) - u.picked for u in group) < self.batch_size:
+            # Room in the batch and an upload just arrived: uploads sent together reach
+            # the batcher a few tens of ms apart (each is read and decoded first), so
+            # wait that long for them rather than start the batch without them.
+            time.sleep(max(0.0, min(fresh) + self.gather_s - time.monotonic()))
+            group = self._ready_group()
+            if not group:
+                return
         picks = self._pick(group)
         uploads = list(dict.fromkeys(u for u, _ in picks))
         started = time.monotonic()
