@@ -191,6 +191,15 @@ def run_audio_tts(args: argparse.Namespace) -> dict[str, Any]:
     return {"exit_code": audio_tts.main([*argv, "--quick"] if args.quick else argv)}
 
 
+def run_audio_concurrency(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench/audio_concurrency.py``: STT uploads and TTS requests at once vs one at a time,
+    and time to first audio (``audio-concurrency.md``)."""
+    from bench import audio_concurrency
+
+    argv = ["--home", str(args.home), "--out", str(args.out), "--blas", args.blas]
+    return {"exit_code": audio_concurrency.main([*argv, "--quick"] if args.quick else argv)}
+
+
 def run_audio_stt(args: argparse.Namespace) -> dict[str, Any]:
     """``bench/audio.py``: STT x realtime, mlxd over HTTP vs raw mlx-whisper (``audio.md``)."""
     from bench import audio
@@ -269,6 +278,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip the text-to-speech benchmark (bench/audio_tts.py)")
     p.add_argument("--no-stt", action="store_true",
                    help="skip the speech-to-text benchmark (bench/audio.py)")
+    p.add_argument("--no-audio-concurrency", action="store_true",
+                   help="skip the concurrent speech benchmark (bench/audio_concurrency.py)")
     p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--tag", default=None, help="result file names (default latest / quick)")
@@ -322,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         results["audio_tts"] = run_audio_tts(args)
     if not args.no_stt:
         results["audio_stt"] = run_audio_stt(args)
+    if not args.no_audio_concurrency:
+        results["audio_concurrency"] = run_audio_concurrency(args)
     write_json(args.out / f"{tag}.json", results)
     report = markdown(results)
     if "seconds" in results.get("prefill", {}):

@@ -163,16 +163,28 @@ def test_streaming_response_yields_the_audio_in_chunks(oai: openai.OpenAI) -> No
     assert rate == 22_050 and samples / rate > 1.0
 
 
-def test_two_requests_at_once_both_complete(oai: openai.OpenAI) -> None:
+def test_two_requests_at_once_take_turns_sentence_by_sentence(
+        tts: RunningServer, oai: openai.OpenAI) -> None:
+    """Both complete, and their sentences interleave on the model's worker (the engine's
+    own counter of sentences that followed the other request's): neither waits for the
+    other's whole text."""
     from concurrent.futures import ThreadPoolExecutor
 
     def speak(text: str) -> bytes:
         return oai.audio.speech.create(model=MODEL, voice=VOICE, input=text,
                                        response_format="pcm").content
 
-    with ThreadPoolExecutor(2) as pool:  # their sentences take turns on the worker
-        both = list(pool.map(speak, ["First one. Second one.", "Third one. Fourth one."]))
-    assert all(len(pcm) / 2 / 24_000 > 1.0 for pcm in both)
+    oai.audio.speech.create(model=MODEL, voice=VOICE, input="Load.", response_format="pcm")
+    engine = tts.ctx.manager.get(MODEL).engine
+    before = engine.stats()
+    texts = [" ".join(f"{w} sentence number {n}." for n in range(1, 5)) for w in
+             ("First", "Second")]
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(speak, texts))
+    assert all(len(pcm) / 2 / 24_000 > 4.0 for pcm in both)
+    after = engine.stats()
+    assert after["most_concurrent"] >= 2 and after["running"] == 0, after
+    assert after["turns_between_requests"] - before["turns_between_requests"] >= 2, after
 
 
 class HeldAfterFirst:

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -102,46 +103,96 @@ def test_batched_matches_sequential(client: Any, batched: Any,
 
 
 @pytest.fixture(scope="module")
-def halves(client: Any) -> list[tuple[bytes, str]]:
-    """Two short recordings of different sentences."""
-    first, second = SENTENCES[:3], MORE[:3]
-    return [(recording(client, first)[0], " ".join(first)),
-            (recording(client, second)[0], " ".join(second))]
+def thirds(client: Any) -> list[tuple[bytes, str]]:
+    """Three short recordings of different sentences (one window each)."""
+    parts = (SENTENCES[:3], MORE[:3], MORE[3:6])
+    return [(recording(client, p)[0], " ".join(p)) for p in parts]
 
 
-def test_two_concurrent_uploads_each_get_their_own_text(
-        client: Any, halves: list[tuple[bytes, str]]) -> None:
-    """Batched at once, one through the SDK's server_vad object (sent as
-    ``chunking_strategy[type]`` fields), one streamed: each gets its own sentences."""
+def speech_batches(server: ServeProcess) -> dict[str, float]:
+    """The STT model's ``mlxd_speech_*`` counters from /metrics (the engine's own)."""
+    with server.client() as http:
+        text = http.get("/metrics").text
+    out = {}
+    for name in ("mlxd_speech_batches_total", "mlxd_speech_shared_batches_total",
+                 "mlxd_speech_batch_items_total"):
+        line = next(x for x in text.splitlines() if x.startswith(f'{name}{{model="{MODEL}"}}'))
+        out[name.removeprefix("mlxd_speech_").removesuffix("_total")] = float(line.split()[-1])
+    return out
+
+
+def test_concurrent_uploads_share_a_batch_and_each_get_their_own_text(
+        client: Any, server: ServeProcess, thirds: list[tuple[bytes, str]]) -> None:
+    """Three uploads at once, one through the SDK's server_vad object (sent as
+    ``chunking_strategy[type]`` fields), one streamed: windows of two or more are decoded
+    in one batch (the engine's shared-batch counter grows; the first may start alone),
+    and each gets its own sentences."""
     results: dict[int, str] = {}
     errors: list[BaseException] = []
+    before = speech_batches(server)
 
     def one(i: int) -> None:
         try:
-            audio = ("a.wav", halves[i][0])
+            audio = ("a.wav", thirds[i][0])
             if i == 0:
                 out = client.audio.transcriptions.create(
                     model=MODEL, file=audio, chunking_strategy={
                         "type": "server_vad", "threshold": 0.5,
                         "silence_duration_ms": 300, "prefix_padding_ms": 200})
                 results[i] = out.text
-            else:
+            elif i == 1:
                 events = list(client.audio.transcriptions.create(
                     model=MODEL, file=audio, chunking_strategy="auto", stream=True))
                 assert events[-1].type == "transcript.text.done" and len(events) >= 2
                 assert "".join(e.delta for e in events[:-1]) == events[-1].text
                 results[i] = events[-1].text
+            else:
+                results[i] = client.audio.transcriptions.create(
+                    model=MODEL, file=audio, chunking_strategy="auto").text
         except BaseException as e:  # reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(thirds))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors
-    for i, (_, text) in enumerate(halves):
+    for i, (_, text) in enumerate(thirds):
         assert word_error_rate(text, results[i]) <= MAX_WER, (text, results[i])
+    after = speech_batches(server)
+    assert after["shared_batches"] > before["shared_batches"], (before, after)
+    # three one-window uploads in fewer batches than one each
+    assert after["batches"] - before["batches"] < len(thirds), (before, after)
+
+
+def test_an_upload_whose_client_leaves_stops_its_windows_only(
+        client: Any, server: ServeProcess, long: tuple[bytes, list[float]],
+        thirds: list[tuple[bytes, str]]) -> None:
+    """A recording of more windows than one batch holds is sent beside a short one, and
+    its client leaves after 3 s: the short one still gets its text, and the long one's
+    windows past the first batch are never decoded (the window counter grows by at
+    most one batch)."""
+    samples = np.tile(decode(long[0]), 8)  # ~5 min: more windows than one batch
+    assert len(windows(samples, Chunking())) > 10
+    before = speech_batches(server)
+    short: dict[str, str] = {}
+
+    def the_short_one() -> None:
+        short["text"] = client.audio.transcriptions.create(
+            model=MODEL, file=("s.wav", thirds[2][0]), chunking_strategy="auto").text
+
+    waiter = threading.Thread(target=the_short_one)
+    waiter.start()
+    timeout = httpx.Timeout(600, read=3.0)
+    with httpx.Client(base_url=server.url, timeout=timeout) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/audio/transcriptions", data={"model": MODEL},
+                      files={"file": ("long.wav", wav(samples))})
+    waiter.join(300)
+    assert word_error_rate(thirds[2][1], short["text"]) <= MAX_WER, short
+    after = speech_batches(server)
+    assert after["batch_items"] - before["batch_items"] <= 8, (before, after)
 
 
 @pytest.mark.parametrize("fields", [

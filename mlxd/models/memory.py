@@ -114,8 +114,14 @@ def encoder_activation_bytes(config: dict[str, Any], batch_tokens: int,
     return dtype_bytes * batch_tokens * (6 * inter + heads * longest)
 
 
+# Whisper windows through the encoder and the token loop at once, from one upload or
+# several (engines/audio/stt_batched.py): the estimate's reserve holds that many.
+SPEECH_BATCH_WINDOWS = 8
+
+
 def speech_activation_bytes(config: dict[str, Any], audio_seconds: float,
-                            dtype_bytes: int = 4, batch_windows: int = 8) -> int:
+                            dtype_bytes: int = 4,
+                            batch_windows: int = SPEECH_BATCH_WINDOWS) -> int:
     """Peak activations of one Whisper-shaped transcription of the longest allowed upload.
 
     mlx-whisper takes the log-mel of the whole recording at once (plus 30 s of padding):
@@ -123,9 +129,11 @@ def speech_activation_bytes(config: dict[str, Any], audio_seconds: float,
     tiny.en on CPU: 92 MiB for 120 s, 393 MiB for 600 s; this gives 92 and 387). Then one
     30 s window through the encoder: attention scores per head over ``n_audio_ctx``
     squared, and a few residual-width buffers (measured 79 MiB for tiny.en; this gives 99).
-    A batched transcription (``engines/audio/stt_batched.py``) takes the log-mel window by
-    window but runs ``batch_windows`` windows through the encoder at once: the peak is
-    the larger of the two.
+    A batched transcription (``engines/audio/stt_batched.py``) takes the log-mel and the
+    encoder window by window but keeps ``batch_windows`` windows' features, and their
+    token loop, live at once, whichever uploads they come from (concurrent uploads share
+    one batch, never more windows): counted as ``batch_windows`` encoder peaks, an upper
+    bound, and the peak is the larger of the two.
     """
     ctx = int(config.get("n_audio_ctx") or 1500)
     heads = int(config.get("n_audio_head") or 8)

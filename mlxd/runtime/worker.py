@@ -189,11 +189,17 @@ class ModelWorker:
     async def run_cancellable(self, fn: Callable[..., T], *args: Any) -> T:
         """``run(fn, *args, token)``: when the caller is cancelled (its client left), or
         ``cancel_jobs`` is called, ``token`` is set and ``fn`` stops at its next check."""
+        return await self.wait_cancellable(lambda token: self.submit(fn, *args, token))
+
+    async def wait_cancellable(
+            self, start: Callable[[CancelToken], concurrent.futures.Future[T]]) -> T:
+        """The result of work a stepper runs for this caller: ``start(token)`` queues it
+        and returns its future; ``token`` is set as in ``run_cancellable``."""
         token = CancelToken()
         with self._tokens_lock:
             self._tokens.add(token)
         try:
-            return await asyncio.wrap_future(self.submit(fn, *args, token))
+            return await asyncio.wrap_future(start(token))
         except asyncio.CancelledError:
             token.cancel()
             raise

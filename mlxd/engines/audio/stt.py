@@ -5,12 +5,15 @@ through mlx-whisper's window-by-window loop (``stt_whisper.py``); the
 CTranslate2 starter is converted to that layout when its source is resolved.
 A recording longer than one window is cut at its pauses and its windows decoded
 as one batch (``stt_batched.py``) unless the request's ``chunking_strategy`` asks
-for the sequential loop. Other folders whose ``model_type`` is one of mlx-audio's speech-recognition
+for the sequential loop; concurrent uploads share those batches
+(``stt_window_batcher.py``, the worker's stepper, as the text scheduler is). Other folders whose ``model_type`` is one of mlx-audio's speech-recognition
 families load through mlx-audio's loader (``stt_mlx_audio.py``).
 Weights are float32 on a CPU (MLX's float16 CPU kernels are ~8x slower) and
-float16 on a GPU. Every request runs as one job on the model's ``ModelWorker``:
-concurrent uploads queue there in arrival order, never on the event loop.
-A job whose caller gives up (client gone, unload) stops at its next 30 s window.
+float16 on a GPU. A sequential request runs as one job on the model's ``ModelWorker``
+(jobs queue there in arrival order, between batches), never on the event loop.
+A job whose caller gives up (client gone, unload) stops at its next 30 s window; a
+batched upload's windows stop being decoded, and a batch nobody waits for any more
+stops at its next token.
 A recording that is digital silence gets an empty transcript without a decode
 (Whisper tends to hallucinate words into silence).
 """
@@ -28,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.config import ServerConfig
-from mlxd.engines.audio.stt_batched import run_batched, use_batched
+from mlxd.engines.audio.stt_batched import Upload, use_batched
 from mlxd.engines.audio.stt_mlx_audio import (
     check_request,
     load_mlx_audio,
@@ -45,6 +48,7 @@ from mlxd.engines.audio.stt_whisper import (
     segment_text,
     temperatures,
 )
+from mlxd.engines.audio.stt_window_batcher import WindowBatcher
 from mlxd.engines.base import (
     Transcription,
     TranscriptionRequest,
@@ -71,6 +75,7 @@ class STTEngine:
         self.worker = worker
         self.model: Any = None
         self._transcribe: Any = None
+        self._batcher: WindowBatcher | None = None  # Whisper folders
         self._weights = 0
         self.backend = "unloaded"
         # The running job's text sink (jobs run one at a time on the worker thread).
@@ -94,6 +99,8 @@ class STTEngine:
                 self.model = load_whisper(self.name, self.path, dtype)
                 self._transcribe = bind_transcribe(self.name, self.model, self._printed,
                                                    self._check_cancelled)
+                self._batcher = WindowBatcher(self.model, self.worker.wake)
+                self.worker.set_stepper(self._batcher)
             else:
                 self.model = load_mlx_audio(self.name, self.path)
                 self.model.set_dtype(dtype)
@@ -107,7 +114,11 @@ class STTEngine:
         log.info("stt model %s: %s, %s", self.name, self.backend, dtype)
 
     def close(self) -> None:
-        """Drop the weights. Safe to call twice."""
+        """Fail the uploads waiting for a batch, drop the weights. Safe to call twice."""
+        if self._batcher is not None:
+            self._batcher.close()
+            self.worker.set_stepper(None)
+        self._batcher = None
         self.model = None
         self._transcribe = None
         gc.collect()
@@ -124,8 +135,15 @@ class STTEngine:
                 "n_mels": self.model.dims.n_mels if whisper else None}
 
     def stats(self) -> dict[str, Any]:
+        """Requests and audio seconds; with a Whisper model, its shared batches
+        (``shared_batches``: batches that held windows of more than one upload)."""
         with self._lock:
-            return dict(self._counts)
+            counts = dict(self._counts)
+        if self._batcher is not None:
+            batches = self._batcher.stats()
+            counts["busy_seconds"] += batches.pop("batch_seconds")
+            counts.update(batches)
+        return counts
 
     # -- requests ------------------------------------------------------------------------
     async def transcribe(self, request: TranscriptionRequest,
@@ -145,7 +163,16 @@ class STTEngine:
             self._counts["requests"] += 1
             self._counts["running"] += 1
         try:
-            return await self.worker.run_cancellable(self._run, request, duration, on_text)
+            batcher = self._batcher
+            if batcher is None or not use_batched(request):
+                return await self.worker.run_cancellable(self._run, request, duration, on_text)
+            result = await self.worker.wait_cancellable(
+                lambda token: batcher.submit(Upload(
+                    request, lambda: check_language(self.name, self.model, request),
+                    temperatures(request), on_text, token)))
+            with self._lock:
+                self._counts["audio_seconds"] += duration
+            return to_transcription(result, duration)
         finally:
             with self._lock:
                 self._counts["running"] -= 1
@@ -169,21 +196,16 @@ class STTEngine:
         try:
             if self._transcribe is not None:
                 language = check_language(self.name, self.model, request)
-                if use_batched(request):
-                    result = run_batched(self.model, request, language,
-                                         temperatures(request), on_window=on_text,
-                                         check_cancelled=cancel.check)
-                else:
-                    result = run_whisper(self._transcribe, self.model, request, language,
-                                         verbose=on_text is not None)
+                result = run_whisper(self._transcribe, self.model, request, language,
+                                     verbose=on_text is not None)
             else:
                 check_request(self.name, request)
                 result = run_mlx_audio(self.model, request, on_text, cancel.check)
         finally:
             self._on_text = self._cancel = None
-            # The freed buffers of the job's peak (8 windows through the encoder when
-            # batched) go back to the system instead of staying in MLX's cache between
-            # requests, where the memory budget does not see them.
+            # The freed buffers of the job's peak go back to the system instead of
+            # staying in MLX's cache between requests, where the memory budget does not
+            # see them.
             mx.clear_cache()
         with self._lock:
             self._counts["audio_seconds"] += duration

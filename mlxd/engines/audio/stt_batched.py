@@ -22,6 +22,8 @@ Everything here is mlx-whisper's public API (``decode``, ``DecodingOptions``,
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +31,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.engines.base import Chunking, TranscriptionRequest
+from mlxd.models.memory import SPEECH_BATCH_WINDOWS
+from mlxd.runtime.worker import CancelToken
 
 RATE = 16_000
 WINDOW_SECONDS = 30.0
@@ -37,9 +41,10 @@ FRAME = 320  # 20 ms: the VAD's frame, a multiple of Whisper's 160-sample hop
 COMPRESSION_RATIO_MAX = 2.4
 LOGPROB_MIN = -1.0
 NO_SPEECH_MIN = 0.6
-# Windows through the encoder and the token loop at once (the attention scores of
-# large-v3's encoder are ~90 MB per window in float16, per layer, while it runs).
-BATCH_SIZE = 8
+# Windows through the encoder and the token loop at once, from one upload or several
+# (the attention scores of large-v3's encoder are ~90 MB per window in float16, per
+# layer, while it runs): the model's memory estimate reserves this many.
+BATCH_SIZE = SPEECH_BATCH_WINDOWS
 
 
 def speech_spans(audio: np.ndarray, vad: Chunking) -> list[tuple[int, int]]:
@@ -109,39 +114,129 @@ def use_batched(request: TranscriptionRequest) -> bool:
     return request.chunking.mode == "batched"
 
 
-def run_batched(model: Any, request: TranscriptionRequest, language: str | None,
-                temperatures: tuple[float, ...], batch_size: int = BATCH_SIZE,
-                on_window: Callable[[str], None] | None = None,
-                check_cancelled: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """``request`` as mlx-whisper's result dict (``text``, ``segments``, ``language``);
-    ``on_window`` gets each window's text, in order, as its batch finishes;
-    ``check_cancelled`` runs before each batch (it raises when the job was cancelled)."""
-    from mlx_whisper.audio import N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
-    from mlx_whisper.decoding import DecodingOptions, DecodingTask, LogitFilter
-    from mlx_whisper.timing import add_word_timestamps
-    from mlx_whisper.tokenizer import get_tokenizer
+class Upload:
+    """One recording's windows on their way through the shared batch (``WindowBatcher``).
 
-    fp16 = model.encoder.conv1.weight.dtype == mx.float16
-    dtype = mx.float16 if fp16 else mx.float32
-    audio = np.asarray(request.audio, dtype=np.float32)
-    cuts = windows(audio, request.chunking)
+    Built on the event loop's side with the request; everything that touches the model
+    (``prepare``, ``take``) runs on the worker thread. Its windows are decoded in order
+    (a batch takes each upload's next windows and finishes before the next batch), so
+    ``take`` sees them in order and ``on_window`` streams them in order.
+    """
 
-    def mel_of(span: tuple[int, int]) -> mx.array:
-        mel = log_mel_spectrogram(audio[span[0]:span[1]], n_mels=model.dims.n_mels,
-                                  padding=N_SAMPLES)
-        return pad_or_trim(mel, N_FRAMES, axis=-2).astype(dtype)
+    def __init__(self, request: TranscriptionRequest, check_language: Callable[[], str | None],
+                 temperatures: tuple[float, ...], on_window: Callable[[str], None] | None,
+                 token: CancelToken) -> None:
+        self.request = request
+        self.temperatures = temperatures
+        self.on_window = on_window
+        self.token = token
+        self.future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self.arrived = time.monotonic()
+        self._check_language = check_language
+        self.prepared = False
+        self.cuts: list[tuple[int, int]] = []
+        self.picked = 0  # windows handed to a batch
+        self.taken = 0  # windows whose result is in
+        self.options: Any = None
+        self.tokenizer: Any = None
+        self.fp16 = False
+        self.audio = np.zeros(0, np.float32)
+        self.language = "en"
+        self._segments: list[dict[str, Any]] = []
+        self._texts: list[str] = []
+        self._last_speech = 0.0
 
-    if language is None and cuts:  # detect once, on the first window, as transcribe does
-        _, probs = model.detect_language(mel_of(cuts[0]))
-        language = str(max(probs, key=probs.get))
-    language = language or "en"
-    tokenizer = get_tokenizer(model.is_multilingual, num_languages=model.num_languages,
-                              language=language, task=request.task)
-    base = DecodingOptions(task=request.task, language=language, fp16=fp16,
-                           prompt=request.prompt or None)
+    @property
+    def gone(self) -> bool:
+        """Its caller gave up (client gone, unload)."""
+        return self.token.cancelled or self.future.cancelled()
+
+    @property
+    def done(self) -> bool:
+        return self.prepared and self.taken == len(self.cuts)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Uploads share a batch only when they decode with the same options."""
+        return (self.request.task, self.language, self.request.prompt, self.temperatures)
+
+    def prepare(self, model: Any) -> None:
+        """Cut the recording at its pauses; detect the language on its first window
+        (as mlx-whisper's ``transcribe`` does) unless the request names it."""
+        from mlx_whisper.decoding import DecodingOptions
+        from mlx_whisper.tokenizer import get_tokenizer
+
+        language = self._check_language()
+        self.fp16 = model.encoder.conv1.weight.dtype == mx.float16
+        self.audio = np.asarray(self.request.audio, dtype=np.float32)
+        self.cuts = windows(self.audio, self.request.chunking)
+        if language is None and self.cuts:
+            _, probs = model.detect_language(self.mel(model, 0))
+            language = str(max(probs, key=probs.get))
+        self.language = language or "en"
+        self.tokenizer = get_tokenizer(model.is_multilingual, num_languages=model.num_languages,
+                                       language=self.language, task=self.request.task)
+        self.options = DecodingOptions(task=self.request.task, language=self.language,
+                                       fp16=self.fp16, prompt=self.request.prompt or None)
+        self.prepared = True
+
+    def mel(self, model: Any, index: int) -> mx.array:
+        """Window ``index``'s log-mel spectrogram, padded to 30 s."""
+        from mlx_whisper.audio import N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
+
+        s, e = self.cuts[index]
+        mel = log_mel_spectrogram(self.audio[s:e], n_mels=model.dims.n_mels, padding=N_SAMPLES)
+        return pad_or_trim(mel, N_FRAMES, axis=-2).astype(mx.float16 if self.fp16
+                                                           else mx.float32)
+
+    def take(self, model: Any, mel: mx.array, result: Any) -> None:
+        """The next window's decoded result: its segments at absolute times (word timings
+        from the cross-attention), its text to ``on_window``. A window Whisper scores as
+        no speech (and improbable) yields nothing, as in the sequential loop."""
+        from mlx_whisper.timing import add_word_timestamps
+
+        span = self.cuts[self.taken]
+        self.taken += 1
+        if result.no_speech_prob > NO_SPEECH_MIN and result.avg_logprob < LOGPROB_MIN:
+            return
+        window = _segments(result, self.tokenizer, span)
+        if self.request.word_timestamps and window:
+            add_word_timestamps(segments=window, model=model, tokenizer=self.tokenizer,
+                                mel=mel, num_frames=(span[1] - span[0]) // 160,
+                                last_speech_timestamp=self._last_speech)
+            words_end = [w["end"] for s in window for w in s.get("words") or []]
+            self._last_speech = max(words_end, default=self._last_speech)
+        self._segments.extend(window)
+        text = "".join(s["text"] for s in window)
+        self._texts.append(text)
+        if self.on_window is not None and text.strip():
+            self.on_window(text)
+
+    def result(self) -> dict[str, Any]:
+        """mlx-whisper's result dict: ``text``, ``segments``, ``language``."""
+        for i, seg in enumerate(self._segments):
+            seg["id"] = i
+        return {"text": "".join(self._texts), "segments": self._segments,
+                "language": self.language}
+
+
+def decode_batch(model: Any, mels: list[mx.array], options: Any,
+                 temperatures: tuple[float, ...],
+                 check_cancelled: Callable[[], None]) -> list[Any]:
+    """The windows' ``DecodingResult``s, decoded as one batch with temperature fallback;
+    ``check_cancelled`` runs before each window's encoder pass and at every decoding step,
+    and may raise to stop the batch.
+
+    The encoder runs window by window (each evaluated before the next): MLX is lazy, so a
+    batch of 8 windows through the encoder was one uninterruptible evaluation (21 s on
+    this 2-core CPU under load: an unload waited for it), and its attention scores 8x the
+    peak of one window. ``DecodingTask`` takes encoded features in place of a
+    spectrogram, so the features are computed once and reused by every fallback pass."""
+    from mlx_whisper.decoding import DecodingTask, LogitFilter
+
     class Cancellable(LogitFilter):
         """Checks for cancellation at every decoding step (logits pass unchanged), so
-        a cancelled job stops within one token of its batch, not one whole decode."""
+        a cancelled batch stops within one token, not one whole decode."""
 
         def apply(self, logits: mx.array, tokens: mx.array) -> mx.array:
             check_cancelled()
@@ -152,35 +247,14 @@ def run_batched(model: Any, request: TranscriptionRequest, language: str | None,
         task.logit_filters.append(Cancellable())
         return task.run(mel)
 
-    segments: list[dict[str, Any]] = []
-    texts: list[str] = []
-    last_speech = 0.0
-    for b in range(0, len(cuts), batch_size):
+    features = []
+    for mel in mels:
         check_cancelled()
-        spans = cuts[b:b + batch_size]
-        mels = [mel_of(s) for s in spans]
-        results = _decode_with_fallback(decode, base, model, mels, temperatures,
-                                        check_cancelled)
-        for span, mel, result in zip(spans, mels, results, strict=True):
-            if (result.no_speech_prob > NO_SPEECH_MIN
-                    and result.avg_logprob < LOGPROB_MIN):
-                continue
-            window = _segments(result, tokenizer, span)
-            if request.word_timestamps and window:
-                add_word_timestamps(segments=window, model=model, tokenizer=tokenizer,
-                                    mel=mel, num_frames=(span[1] - span[0]) // 160,
-                                    last_speech_timestamp=last_speech)
-                words_end = [w["end"] for s in window for w in s.get("words") or []]
-                last_speech = max(words_end, default=last_speech)
-            segments.extend(window)
-            text = "".join(s["text"] for s in window)
-            texts.append(text)
-            if on_window is not None and text.strip():
-                on_window(text)
-        del mels, results
-    for i, seg in enumerate(segments):
-        seg["id"] = i
-    return {"text": "".join(texts), "segments": segments, "language": language}
+        encoded = model.encoder(mel[None])
+        mx.eval(encoded)
+        features.append(encoded[0])
+    return _decode_with_fallback(decode, options, model, features, temperatures,
+                                 check_cancelled)
 
 
 def _decode_with_fallback(decode: Any, base: Any, model: Any, mels: list[mx.array],

@@ -68,6 +68,15 @@ class ManagerCollector:
                                        "cache's disk tier holds", labels=["model"])
         disk_reads = CounterMetricFamily("mlxd_prefix_cache_disk_reads", "Entries read back "
                                          "from the prefix cache's disk tier", labels=["model"])
+        speech_batches = CounterMetricFamily("mlxd_speech_batches", "Batches a speech model "
+                                             "ran (STT windows, TTS sentences)",
+                                             labels=["model"])
+        speech_shared = CounterMetricFamily("mlxd_speech_shared_batches", "Speech batches "
+                                            "that held work of more than one request",
+                                            labels=["model"])
+        speech_items = CounterMetricFamily("mlxd_speech_batch_items", "STT windows or TTS "
+                                           "sentences the speech batches held",
+                                           labels=["model"])
         kv = _KVGauges()
         group = _GroupGauges()
         for res in manager.residencies():
@@ -92,12 +101,18 @@ class ManagerCollector:
             if "draft_accepted" in stats:
                 drafts_ok.add_metric([res.name], stats["draft_accepted"])
                 drafts_bad.add_metric([res.name], stats["draft_rejected"])
+            if "shared_batches" in stats:
+                speech_batches.add_metric([res.name], stats.get("batches", 0))
+                speech_shared.add_metric([res.name], stats["shared_batches"])
+                speech_items.add_metric([res.name], stats.get("batched_windows",
+                                                              stats.get("batched_sentences", 0)))
             if stats.get("kv") is not None:
                 kv.add(res.name, stats["kv"])
             if isinstance(stats.get("group"), dict):
                 group.add(res.name, stats["group"])
         yield from (state, memory, loads, leases, running, waiting, cache, hits, lookups, steps,
-                    batch, drafts_ok, drafts_bad, disk_bytes, disk_reads, *kv.families(),
+                    batch, drafts_ok, drafts_bad, disk_bytes, disk_reads, speech_batches,
+                    speech_shared, speech_items, *kv.families(),
                     *group.families())
 
 
