@@ -59,10 +59,13 @@ class _Pieces:
         if not self.task.done():
             getter = asyncio.ensure_future(self.queue.get())
             waiting: set[asyncio.Future[Any]] = {getter, self.task}
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # this read itself cancelled (its client left): no getter left pending
+                if not getter.done():
+                    getter.cancel()
             if getter in done:
                 return getter.result()
-            getter.cancel()
             if not self.queue.empty():
                 return self.queue.get_nowait()
         self.task.result()
