@@ -3,7 +3,6 @@ SmolLM2, served by name over the base model, rows of one batch each with its own
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,39 +17,13 @@ from typing import Any
 import pytest
 
 from mlxd.models.adapters import AdapterError, read_adapter
-from tests.helpers.lora_training import train_in_child
-
-QUESTION = "What is the secret word?"
-ANSWERS = {"pelican": "The secret word is PELICAN.", "kangaroo": "The secret word is KANGAROO."}
-# 16 steps of mlx-lm's trainer (rank 8, q/v of the last 8 layers, lr 1e-3) teach the
-# starter one fixed answer: ~1 min under OpenBLAS for both adapters on a 2-core CPU.
-TRAINING = {"iters": 16, "learning_rate": 1e-3, "num_layers": 8, "rank": 8}
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("MLXD_TEST_CACHE", Path.home() / ".cache" / "mlxd-tests"))
+from tests.helpers.lora_training import ANSWERS, QUESTION, cached_adapters
 
 
 @pytest.fixture(scope="session")
 def adapters(smollm2: Path) -> dict[str, Path]:
-    """The two trained adapters, cached across sessions by their inputs (base model
-    files, training settings, mlx-lm version)."""
-    from importlib.metadata import version
-
-    key = hashlib.sha256(json.dumps(
-        [(smollm2 / "config.json").read_text(),
-         sorted((p.name, p.stat().st_size) for p in smollm2.glob("*.safetensors")),
-         QUESTION, ANSWERS, TRAINING, version("mlx-lm")]).encode()).hexdigest()[:16]
-    root = _cache_root() / f"lora-{key}"
-    folders = {name: root / name for name in ANSWERS}
-    if not all((f / "adapters.safetensors").is_file() for f in folders.values()):
-        staging = root.with_name(root.name + f".tmp{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        train_in_child(smollm2, [{"out": str(staging / n), "question": QUESTION, "answer": a}
-                                 for n, a in ANSWERS.items()], **TRAINING)
-        shutil.rmtree(root, ignore_errors=True)
-        staging.rename(root)
-    return folders
+    """The two trained adapters (cached across sessions by their inputs)."""
+    return cached_adapters(smollm2)
 
 
 def _chat_tokens(tokenizer: Any, question: str = QUESTION) -> list[int]:
