@@ -265,3 +265,54 @@ def test_fusing_an_adapter_of_another_model_is_refused(flow: Flow, tiny_model: P
     assert not (tmp_path / "fused").exists() and list(tmp_path.iterdir()) == []
     out = mlxd(flow.home, "convert", str(tiny_model), "--fuse", "--out", str(tmp_path / "x"))
     assert out.rc == 2 and "--fuse and --adapter PATH go together" in out.json["error"]
+
+
+def test_convert_takes_a_half_precision_peft_adapter(flow: Flow, smollm2: Path,
+                                                     tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    half = tmp_path / "half"
+    shutil.copytree(flow.peft, half)
+    weights = load_file(str(half / "adapter_model.safetensors"))
+    save_file({k: v.astype(np.float16) for k, v in weights.items()},
+              str(half / "adapter_model.safetensors"))
+    out = mlxd(flow.home, "convert", str(half), "--base", str(smollm2),
+               "--out", str(tmp_path / "mlx"), "--quiet")
+    assert out.rc == 0, out.stderr
+    assert out.json["recipe"]["converter"] == "peft-lora"
+    converted = load_file(str(tmp_path / "mlx" / "adapters.safetensors"))
+    for name, value in load_file(str(flow.lora / "adapters.safetensors")).items():
+        assert converted[name].dtype == np.float32
+        np.testing.assert_array_equal(converted[name], value.astype(np.float16))
+
+
+def test_a_dora_adapter_is_fused_with_its_magnitudes(flow: Flow, smollm2: Path,
+                                                     tmp_path: Path) -> None:
+    """mlx-lm's DoRA layer is W' = m * w / |w| per output row, w = W + scale * B^T A^T.
+    With m = 2 |w| on one layer and m = |w| elsewhere, the fused model is the LoRA-fused
+    one with that layer doubled: the magnitudes were read and applied."""
+    from safetensors.numpy import load_file, save_file
+
+    dora = tmp_path / "dora"
+    shutil.copytree(flow.lora, dora)
+    _edit_config(dora, fine_tune_type="dora")
+    config = json.loads((dora / "adapter_config.json").read_text())
+    scale = config["lora_parameters"]["scale"]
+    base = {k: v for f in smollm2.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    factors = load_file(str(dora / "adapters.safetensors"))
+    doubled = "model.layers.29.self_attn.q_proj"
+    for path in {k.rsplit(".", 1)[0] for k in list(factors)}:
+        w = base[f"{path}.weight"] + scale * (factors[f"{path}.lora_b"].T
+                                              @ factors[f"{path}.lora_a"].T)
+        norm = np.linalg.norm(w, axis=1)
+        factors[f"{path}.m"] = (2 * norm if path == doubled else norm).astype(np.float32)
+    save_file(factors, str(dora / "adapters.safetensors"))
+    out = mlxd(flow.home, "convert", str(smollm2), "--fuse", "--adapter", str(dora),
+               "--out", str(tmp_path / "fused"), "--quiet")
+    assert out.rc == 0, out.stderr
+    ours = load_file(str(tmp_path / "fused" / "model.safetensors"))
+    lora = load_file(str(Path(flow.steps["fuse"]["outputs"]["artifact"]) / "model.safetensors"))
+    for name in (f"{doubled}.weight", "model.layers.29.self_attn.v_proj.weight",
+                 "model.layers.3.self_attn.q_proj.weight"):
+        want = lora[name] * (2 if name.startswith(doubled) else 1)
+        np.testing.assert_allclose(ours[name], want, rtol=1e-4, atol=1e-5)
