@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mlxd.models.adapters import WEIGHTS_FILE, AdapterError, read_adapter
+from mlxd.models.adapters import WEIGHTS_FILE, AdapterError
 from mlxd.models.peft_adapters import PEFT_WEIGHTS
 from mlxd.models.registry import RegistryFile
 from mlxd.models.spec import ModelEntry, ModelKind
@@ -136,10 +136,6 @@ def register_adapter(name: str, source: str, *, base: str | None, registry: Regi
         manifest["conversion"] = conversion["outputs"]
         path = target
     else:
-        try:
-            read_adapter(path, base_path)
-        except AdapterError as e:
-            raise WorkflowError(str(e)) from None
         acquired = manifest_path(path, "acquisition")
         inputs += [link_to(acquired)] if acquired.is_file() else []
     manifest.update(name=name, base=base_entry.name, registry=str(registry.path.resolve()),
