@@ -193,6 +193,9 @@ def test_qualify_runs_on_an_adapter(flow: Flow) -> None:
     folder = Path(flow.steps["register_peft"]["artifact"]["path"])
     assert json.loads((folder / "qualification.json").read_text())["name"] == "pelican-peft"
     assert out.rc == (0 if manifest["status"] == "pass" else 1)
+    chain = mlxd(flow.home, "show", "pelican-peft").json
+    assert chain["adapter_of"] == "smollm2"
+    assert [c["step"] for c in chain["chain"]] == ["qualification", "registration", "conversion"]
 
 
 # -- worst values: a clear error, and nothing written ------------------------------------
