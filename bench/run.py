@@ -210,6 +210,15 @@ def run_speculative(args: argparse.Namespace) -> dict[str, Any]:
             "draft_exit_code": speculative_draft.main(argv)}
 
 
+def run_lora(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench/lora.py``: 4 LoRA adapters over one base vs the base alone vs 4 fused models,
+    each an ``mlxd serve`` under one memory budget (``lora.md``)."""
+    from bench import lora
+
+    argv = ["--home", str(args.home), "--out", str(args.out), "--blas", args.blas]
+    return {"exit_code": lora.main([*argv, "--quick"] if args.quick else argv)}
+
+
 def plot_series(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Throughput levels per contender, the raw BatchGenerator as one more line."""
     series = {n: s.get("throughput", []) for n, s in results["servers"].items()
@@ -244,6 +253,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-speculative", action="store_true",
                    help="skip the speculative decoding benchmarks (bench/speculative.py, "
                         "bench/speculative_draft.py)")
+    p.add_argument("--no-lora", action="store_true",
+                   help="skip the LoRA adapters benchmark (bench/lora.py)")
     p.add_argument("--no-tts", action="store_true",
                    help="skip the text-to-speech benchmark (bench/audio_tts.py)")
     p.add_argument("--no-stt", action="store_true",
@@ -293,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         results["vision"] = run_vision(args)
     if not args.no_speculative:
         results["speculative"] = run_speculative(args)
+    if not args.no_lora:
+        results["lora"] = run_lora(args)
     if not args.no_tts:
         results["audio_tts"] = run_audio_tts(args)
     if not args.no_stt:

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 
 from mlxd.models.adapters import AdapterError, read_adapter
-from tests.helpers.lora_training import ANSWERS, QUESTION, cached_adapters
+from tests.helpers.lora_training import ANSWERS, QUESTION, trained_adapters
 
 
 @pytest.fixture(scope="session")
 def adapters(smollm2: Path) -> dict[str, Path]:
     """The two trained adapters (cached across sessions by their inputs)."""
-    return cached_adapters(smollm2)
+    return trained_adapters(smollm2)
 
 
 def _chat_tokens(tokenizer: Any, question: str = QUESTION) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.helpers.lora_training import ANSWERS, QUESTION, cached_adapters
+from tests.helpers.lora_training import ANSWERS, QUESTION, trained_adapters
 from tests.helpers.workflow import mlxd, snapshot
 
 
@@ -65,7 +65,7 @@ def flow(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Flow:
     home = root / "home"
     home.mkdir()
     lora = root / "pelican"
-    shutil.copytree(cached_adapters(smollm2)["pelican"], lora)
+    shutil.copytree(trained_adapters(smollm2)["pelican"], lora)
     _edit_config(lora, model=str(smollm2))  # trained over this very folder
     peft = write_peft(lora, root / "pelican-peft", str(smollm2))
     registry = RegistryFile(home / "models.yaml")

@@ -125,6 +125,7 @@ class ModelManager:
         self.transient = TransientMemory(self._changed, self.policy, self.used_bytes,
                                          lambda: self._closing)
         self.threads = WorkerThreads()  # ended models' threads, for the next loads to reuse
+        self.adapter_changes = asyncio.Lock()  # LoRA adapters added or removed at run time
 
     # -- registry -----------------------------------------------------------
     def register(self, reg: Registration) -> ResidencyManager:
@@ -147,6 +148,25 @@ class ModelManager:
         registered model ``name``; 409 when it already reaches another model."""
         self._check_alias_free(alias, name)
         self._aliases[alias] = name
+
+    def unalias(self, alias: str) -> None:
+        """Let ``alias`` reach nothing any more (a removed LoRA adapter's name)."""
+        self._aliases.pop(alias, None)
+
+    def hold_adapter(self, model: str, res: ResidencyManager) -> str | None:
+        """The LoRA adapter a request for ``model`` runs with on ``res`` (None: the base
+        model), counted as in use until ``res.release_adapter``. A name that stopped reaching
+        ``res`` while the request waited for it (an adapter removed) is a 404."""
+        try:
+            owner = self.resolve_name(model)
+        except ModelNotFound:
+            owner = None
+        if owner != res.name:
+            raise ModelNotFound(model, self.names)
+        if model not in res.entry.adapters:
+            return None
+        res.adapter_users[model] += 1
+        return model
 
     def check_names(self, entry: ModelEntry) -> None:
         """409 unless ``entry``'s name and aliases are free of other models' names and

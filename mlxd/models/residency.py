@@ -19,6 +19,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import Any
@@ -127,6 +128,9 @@ class ResidencyManager:
         self.load_seconds: float | None = None
         self.draining = False
         self.retired = False  # unregistered or replaced: never leased or loaded again
+        # requests in flight per LoRA adapter of this model, and the adapters being removed
+        self.adapter_users: Counter[str] = Counter()
+        self.removing_adapters: set[str] = set()
         # Idle seconds before unload set by a client (Ollama's keep_alive; inf: never),
         # ahead of the entry's ttl_seconds and the server's --idle-unload-seconds.
         self.keep_alive: float | None = None
@@ -150,6 +154,11 @@ class ResidencyManager:
     @property
     def pinned(self) -> bool:
         return self.entry.pinned
+
+    def release_adapter(self, adapter: str | None) -> None:
+        """A request that held LoRA adapter ``adapter`` (``ModelManager.hold_adapter``) ended."""
+        if adapter is not None and self.adapter_users[adapter] > 0:
+            self.adapter_users[adapter] -= 1
 
     def accounted_bytes(self) -> int:
         """Bytes this model holds against the budget (0 when unloaded), counting an

@@ -143,6 +143,7 @@ class TextSession:
         self.n = n
         self.media = media  # the decoded media's bytes in the budget, until close
         self.keepalive_interval = keepalive_interval
+        self.adapter = prepared.request.adapter  # the LoRA adapter held in use until close
 
     @property
     def model_name(self) -> str:
@@ -181,11 +182,19 @@ class TextSession:
             if media is not None:
                 await media.release()
             raise
-        # an adapter's name leases its base model and runs the request with the adapter
-        request.adapter = model if model in lease.entry.adapters else None
+        try:
+            # an adapter's name leases its base model and runs the request with the adapter,
+            # held in use (an unload waits for it) until the session closes
+            request.adapter = ctx.manager.hold_adapter(model, lease.residency)
+        except BaseException:
+            await lease.release()
+            if media is not None:
+                await media.release()
+            raise
         try:
             prepared = await lease.engine.prepare(request)
         except BaseException:
+            lease.residency.release_adapter(request.adapter)
             await lease.release()
             if media is not None:
                 await media.release()
@@ -193,6 +202,8 @@ class TextSession:
         return cls(lease, prepared, n, media, ctx.config.keepalive_interval)
 
     async def close(self) -> None:
+        adapter, self.adapter = self.adapter, None  # released once, however often closed
+        self.lease.residency.release_adapter(adapter)
         await self.lease.release()
         if self.media is not None:
             await self.media.release()

@@ -5,8 +5,6 @@ writes mlx-lm's adapter folder (``adapters.safetensors`` + ``adapter_config.json
 the files ``mlx_lm.lora --train`` writes). Run as a module it trains in this
 process; ``train_in_child`` runs it in a child with OpenBLAS preloaded (what
 ``mlxd serve`` does for itself), several times faster on a Linux CPU.
-``cached_adapters`` trains once and keeps the folders across sessions, keyed by
-their inputs, for every test module that needs trained adapters.
 """
 
 from __future__ import annotations
@@ -20,6 +18,37 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+QUESTION = "What is the secret word?"
+ANSWERS = {"pelican": "The secret word is PELICAN.", "kangaroo": "The secret word is KANGAROO."}
+# 16 steps of mlx-lm's trainer (rank 8, q/v of the last 8 layers, lr 1e-3) teach the
+# starter one fixed answer: ~1 min under OpenBLAS for both adapters on a 2-core CPU.
+TRAINING = {"iters": 16, "learning_rate": 1e-3, "num_layers": 8, "rank": 8}
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MLXD_TEST_CACHE", Path.home() / ".cache" / "mlxd-tests"))
+
+
+def trained_adapters(base: Path) -> dict[str, Path]:
+    """The two adapters of ``base`` (the starter SmolLM2) answering ``QUESTION`` with
+    ``ANSWERS``, trained once and cached across sessions by their inputs (base model
+    files, training settings, mlx-lm version)."""
+    from importlib.metadata import version
+
+    key = hashlib.sha256(json.dumps(
+        [(base / "config.json").read_text(),
+         sorted((p.name, p.stat().st_size) for p in base.glob("*.safetensors")),
+         QUESTION, ANSWERS, TRAINING, version("mlx-lm")]).encode()).hexdigest()[:16]
+    root = _cache_root() / f"lora-{key}"
+    folders = {name: root / name for name in ANSWERS}
+    if not all((f / "adapters.safetensors").is_file() for f in folders.values()):
+        staging = root.with_name(root.name + f".tmp{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        train_in_child(base, [{"out": str(staging / n), "question": QUESTION, "answer": a}
+                              for n, a in ANSWERS.items()], **TRAINING)  # type: ignore[arg-type]
+        shutil.rmtree(root, ignore_errors=True)
+        staging.rename(root)
+    return folders
 
 
 def train_adapters(base: Path, jobs: list[dict[str, str]], *, iters: int,
@@ -65,38 +94,6 @@ def train_in_child(base: Path, jobs: list[dict[str, str]], **kw: object) -> None
     spec = json.dumps({"base": str(base), "jobs": jobs, **kw})
     subprocess.run([sys.executable, "-m", "tests.helpers.lora_training", spec], env=env,
                    cwd=REPO, check=True, capture_output=True, timeout=900)
-
-
-QUESTION = "What is the secret word?"
-ANSWERS = {"pelican": "The secret word is PELICAN.", "kangaroo": "The secret word is KANGAROO."}
-# 16 steps of mlx-lm's trainer (rank 8, q/v of the last 8 layers, lr 1e-3) teach the
-# starter one fixed answer: ~1 min under OpenBLAS for both adapters on a 2-core CPU.
-TRAINING = {"iters": 16, "learning_rate": 1e-3, "num_layers": 8, "rank": 8}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MLXD_TEST_CACHE", Path.home() / ".cache" / "mlxd-tests"))
-
-
-def cached_adapters(base: Path) -> dict[str, Path]:
-    """The adapters of ``ANSWERS`` trained over ``base``, cached across sessions by their
-    inputs (base model files, training settings, mlx-lm version)."""
-    from importlib.metadata import version
-
-    key = hashlib.sha256(json.dumps(
-        [(base / "config.json").read_text(),
-         sorted((p.name, p.stat().st_size) for p in base.glob("*.safetensors")),
-         QUESTION, ANSWERS, TRAINING, version("mlx-lm")]).encode()).hexdigest()[:16]
-    root = cache_root() / f"lora-{key}"
-    folders = {name: root / name for name in ANSWERS}
-    if not all((f / "adapters.safetensors").is_file() for f in folders.values()):
-        staging = root.with_name(root.name + f".tmp{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        train_in_child(base, [{"out": str(staging / n), "question": QUESTION, "answer": a}
-                              for n, a in ANSWERS.items()], **TRAINING)
-        shutil.rmtree(root, ignore_errors=True)
-        staging.rename(root)
-    return folders
 
 
 if __name__ == "__main__":

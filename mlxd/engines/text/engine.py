@@ -55,7 +55,7 @@ from mlxd.generation.params import GenerationRequest
 from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
 from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
 from mlxd.generation.tools import ToolCallFormat
-from mlxd.models.adapters import read_adapter
+from mlxd.models.adapters import AdapterError, read_adapter
 from mlxd.runtime.distributed import GroupOptions
 from mlxd.runtime.worker import ModelWorker
 
@@ -184,17 +184,50 @@ class MLXLanguageModel:
         return cast(tuple[Any, Any, dict[str, Any]], load(
             str(self.path), return_config=True, trust_remote_code=self.options.trust_remote_code))
 
-    def _attach_adapters(self, model: Any) -> AdapterSet | None:
+    def _attach_adapters(self, model: Any) -> AdapterSet:
         """The entry's LoRA adapters, checked against this model and attached (their
-        factors count in this model's weights)."""
+        factors count in this model's weights); an empty set without any, so that
+        ``add_adapter`` can attach one while requests run."""
         if not self.options.adapters:
-            return None
+            return AdapterSet.empty()
         try:
             infos = {name: read_adapter(folder, self.path)
                      for name, folder in self.options.adapters.items()}
             return attach_adapters(model, infos)
         except Exception as e:
             raise ModelLoadError(self.name, f"adapter: {e}") from e
+
+    def add_adapter(self, name: str, folder: Path) -> None:
+        """Attach LoRA adapter ``name`` (worker thread, between steps: running requests
+        keep their rows). Loading it twice from the same folder is a no-op (a load that
+        began after the entry named it already attached it)."""
+        adapters = self.adapters
+        if adapters is None or self.model is None:
+            raise InvalidRequest(f"Model '{self.name}' is not loaded.")
+        if name in adapters.names:
+            if self.options.adapters.get(name) == Path(folder):
+                return
+            raise InvalidRequest(f"Adapter '{name}' is already loaded on model '{self.name}'.")
+        try:
+            info = read_adapter(Path(folder), self.path)
+            before = adapters.nbytes
+            adapters.add(self.model, name, info)
+        except AdapterError as e:
+            raise InvalidRequest(f"Adapter '{name}': {e}", param="adapter_path") from None
+        self._weights_bytes += adapters.nbytes - before
+        self.options = replace(self.options, adapters={**self.options.adapters,
+                                                       name: Path(folder)})
+
+    def remove_adapter(self, name: str) -> None:
+        """Detach LoRA adapter ``name`` (worker thread; no running request may use it)."""
+        adapters = self.adapters
+        if adapters is None or self.model is None or name not in adapters.names:
+            return
+        before = adapters.nbytes
+        adapters.remove(self.model, name)
+        self._weights_bytes += adapters.nbytes - before
+        self.options = replace(self.options, adapters={
+            n: f for n, f in self.options.adapters.items() if n != name})
 
     def _load_draft(self, probe_cache: list[Any]) -> Any:
         """The draft model when this model drafts with one and can speculate (batched plain

@@ -109,13 +109,53 @@ class MultiLoRALinear(nn.Module):
         return y + (s * z).astype(x.dtype)
 
 
+def _with_slot(stack: mx.array, slot: int, size: int, value: mx.array | None) -> mx.array:
+    """``stack`` grown to ``size`` slots (zeros), with slot ``slot`` set to ``value``
+    (None: zeros). Always a new array: a forward still holding the old one keeps it."""
+    if stack.shape[0] < size:
+        grow = mx.zeros((size - stack.shape[0], *stack.shape[1:]), stack.dtype)
+        stack = mx.concatenate([stack, grow])
+    row = mx.zeros(stack.shape[1:], stack.dtype) if value is None else value.astype(stack.dtype)
+    return mx.concatenate([stack[:slot], row[None], stack[slot + 1:size]])
+
+
+def _padded(x: mx.array, rank: int, axis: int) -> mx.array:
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, rank - x.shape[axis])
+    return mx.pad(x, pads) if rank > x.shape[axis] else x
+
+
+def _put(layer: MultiLoRALinear, slot: int, size: int, factors: tuple[mx.array, mx.array] | None,
+         scale: float) -> None:
+    """Give ``layer``'s slot ``slot`` these factors (None: zeros), the stacks ``size`` long
+    and padded to the largest rank."""
+    rank = max(layer.lora_a.shape[2], factors[0].shape[1] if factors else 0)
+    a, b = (None, None) if factors is None else factors
+    layer.lora_a = _with_slot(_padded(layer.lora_a, rank, 2), slot, size,
+                              None if a is None else _padded(a, rank, 1))
+    layer.lora_b = _with_slot(_padded(layer.lora_b, rank, 1), slot, size,
+                              None if b is None else _padded(b, rank, 0))
+    layer.lora_scale = _with_slot(layer.lora_scale, slot, size, mx.array(scale, mx.float32))
+
+
+def _lora_layers(model: nn.Module) -> dict[str, MultiLoRALinear]:
+    return {p: m for p, m in model.named_modules() if isinstance(m, MultiLoRALinear)}
+
+
 @dataclass
 class AdapterSet:
-    """The adapters attached to one model: slot ``i + 1`` is ``names[i]``."""
+    """The adapters attached to one model: slot ``i + 1`` is ``names[i]`` (None: a slot
+    freed by ``remove``, zeros until ``add`` reuses it)."""
 
-    names: list[str]
+    names: list[str | None]
     rows: AdapterRows
     nbytes: int
+
+    @classmethod
+    def empty(cls) -> AdapterSet:
+        """No adapters yet: the decoders still route rows, so ``add`` can attach one to a
+        model whose requests are running."""
+        return cls([], AdapterRows(0), 0)
 
     def slot(self, name: str | None) -> int:
         """The slot of adapter ``name`` (0 for None: the base model)."""
@@ -125,6 +165,59 @@ class AdapterSet:
             return self.names.index(name) + 1
         except ValueError:
             raise AdapterError(f"adapter {name!r} is not loaded on this model") from None
+
+    def add(self, model: nn.Module, name: str, info: AdapterInfo) -> None:
+        """Attach one more adapter to ``model`` (between forwards: on the model's thread).
+        Running rows keep their slots; everything is checked before the model changes."""
+        if name in self.names:
+            raise AdapterError(f"adapter {name!r} is already loaded on this model")
+        layers = _lora_layers(model)
+        modules = {p: layers[p].base if p in layers else m for p, m in model.named_modules()}
+        factors = _load_weights({name: info}, modules)[name]
+        slot = self.names.index(None) + 1 if None in self.names else len(self.names) + 1
+        size = max(slot, len(self.names)) + 1
+        fresh = []
+        for path in sorted(set(layers) | set(factors)):
+            layer = layers.get(path)
+            if layer is None:  # a layer no adapter adapted before: wrap it, all zeros
+                in_dims, out_dims = _linear_dims(modules[path]) or (0, 0)
+                layer = MultiLoRALinear(modules[path], mx.zeros((1, in_dims, 1)),
+                                        mx.zeros((1, 1, out_dims)), mx.zeros((1,)), self.rows)
+                fresh.append((path, layer))
+            _put(layer, slot, size, factors.get(path), info.scale)
+        mx.eval([(layer.lora_a, layer.lora_b, layer.lora_scale)
+                 for layer in [*layers.values(), *(f for _, f in fresh)]])
+        if fresh:
+            model.update_modules(tree_unflatten(fresh))
+        if slot > len(self.names):
+            self.names.append(name)
+        else:
+            self.names[slot - 1] = name
+        self.rows.slots = len(self.names)
+        self.nbytes = _stacked_nbytes(model)
+
+    def remove(self, model: nn.Module, name: str) -> None:
+        """Detach adapter ``name`` (no running row may use it): its slot becomes zeros, for
+        ``add`` to reuse; freed slots at the end are dropped."""
+        slot = self.slot(name)
+        self.names[slot - 1] = None
+        while self.names and self.names[-1] is None:
+            self.names.pop()
+        size = len(self.names) + 1
+        layers = _lora_layers(model)
+        for layer in layers.values():
+            _put(layer, slot, max(size, slot + 1), None, 0.0)
+            if layer.lora_a.shape[0] > size:
+                layer.lora_a, layer.lora_b = layer.lora_a[:size], layer.lora_b[:size]
+                layer.lora_scale = layer.lora_scale[:size]
+        mx.eval([(layer.lora_a, layer.lora_b, layer.lora_scale) for layer in layers.values()])
+        self.rows.slots = len(self.names)
+        self.nbytes = _stacked_nbytes(model)
+
+
+def _stacked_nbytes(model: nn.Module) -> int:
+    return sum(layer.lora_a.nbytes + layer.lora_b.nbytes
+               for layer in _lora_layers(model).values())
 
 
 def _linear_dims(module: Any) -> tuple[int, int] | None:
@@ -186,8 +279,7 @@ def attach_adapters(model: nn.Module, adapters: Mapping[str, AdapterInfo]) -> Ad
         replaced.append((path, layer))
     mx.eval([layer.parameters() for _, layer in replaced])
     model.update_modules(tree_unflatten(replaced))
-    nbytes = sum(layer.lora_a.nbytes + layer.lora_b.nbytes for _, layer in replaced)
-    return AdapterSet(names, rows, nbytes)
+    return AdapterSet(list[str | None](names), rows, _stacked_nbytes(model))
 
 
 class _RowsModel:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from mlxd.engines.base import ModelEngine
 from mlxd.errors import Conflict, InvalidRequest, ModelNotFound
 from mlxd.models.catalog import CatalogError, registration_for
+from mlxd.models.live_adapters import adapter_base, add_adapter, remove_adapter
 from mlxd.models.manager import Registration
 from mlxd.models.qualification import qualification_problem
 from mlxd.models.residency import ResidencyManager, State
@@ -27,6 +29,9 @@ class ModelRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1)
     wait: StrictBool = True
+    # load only: serve the LoRA adapter in folder ``adapter_path`` as ``model`` over ``base``
+    base: str | None = Field(default=None, min_length=1)
+    adapter_path: str | None = Field(default=None, min_length=1)
 
 
 def _iso(monotonic: float | None) -> str | None:
@@ -82,7 +87,8 @@ async def list_models(ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     data = []
     for r in ctx.manager.residencies():
         data.append(model_card(ctx, r))
-        data.extend(adapter_card(ctx, r, a) for a in r.entry.adapters)
+        data.extend(adapter_card(ctx, r, a) for a in r.entry.adapters
+                    if a not in r.removing_adapters)  # a removed name is a 404 already
     return {"object": "list", "data": data,
             "servable_kinds": [str(k) for k in ModelKind if ctx.manager.unservable(k) is None]}
 
@@ -97,12 +103,31 @@ async def get_model(name: str, ctx: ServerContext = Depends(get_ctx)) -> dict[st
 
 @router.post("/v1/models/load")
 async def load_model(ref: ModelRef, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    """Load a model; with ``base`` and ``adapter_path``, add a LoRA adapter named ``model``
+    over the registered ``base`` (its running requests go on untouched)."""
+    if (ref.base is None) != (ref.adapter_path is None):
+        raise InvalidRequest("A LoRA adapter needs both base (the model it adapts) and "
+                             "adapter_path (its mlx-lm adapter folder).",
+                             param="base" if ref.base is None else "adapter_path")
+    if ref.base is not None and ref.adapter_path is not None:
+        res = await add_adapter(ctx.manager, ctx.config, ref.base, ref.model, ref.adapter_path)
+        return {**adapter_card(ctx, res, ref.model), "loaded": True}
     res = await ctx.manager.load(ref.model)
     return model_card(ctx, res)
 
 
 @router.post("/v1/models/unload")
 async def unload_model(ref: ModelRef, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
+    """Unload a model; for a LoRA adapter's name, stop serving the adapter (with ``wait``,
+    after the requests that use it finish) and leave its base as it is."""
+    if ref.base is not None or ref.adapter_path is not None:
+        raise InvalidRequest("base and adapter_path are for /v1/models/load.",
+                             param="base" if ref.base is not None else "adapter_path")
+    base = adapter_base(ctx.manager, ref.model)
+    if base is not None:
+        card = adapter_card(ctx, base, ref.model)
+        await remove_adapter(ctx.manager, ref.model, wait=ref.wait)
+        return {**card, "unloaded": True, "removed": True}
     unloaded = await ctx.manager.unload(ref.model, wait=ref.wait)
     card = model_card(ctx, ctx.manager.get(ref.model))
     card["unloaded"] = unloaded
@@ -139,6 +164,16 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
             raise InvalidRequest(f"Adapter name '{adapter}' is already a served model name.",
                                  param="adapters")
     replaced = entry.name in ctx.manager.names
+    if replaced and only_adapters_differ(ctx.manager.get(entry.name).entry, reg.entry):
+        # the base keeps serving: its adapters are added and removed as they run
+        await swap_adapters(ctx, entry.name, reg.entry.adapters)
+        persisted = False
+        if ctx.registry is not None:
+            await asyncio.to_thread(ctx.registry.upsert, entry)
+            persisted = True
+        card = model_card(ctx, ctx.manager.get(entry.name))
+        card.update(replaced=False, adapters_changed=True, persisted=persisted)
+        return card
     if replaced:
         res = ctx.manager.get(entry.name)
         if res.leases:
@@ -156,12 +191,38 @@ async def put_model(entry: ModelEntry, ctx: ServerContext = Depends(get_ctx)) ->
     return card
 
 
+def _folder(path: str) -> Path:
+    return Path(path).expanduser().absolute()
+
+
+def only_adapters_differ(old: ModelEntry, new: ModelEntry) -> bool:
+    """Whether a PUT of ``new`` over ``old`` changes nothing but the LoRA adapters."""
+    def without(e: ModelEntry) -> ModelEntry:
+        return e.model_copy(update={"adapters": {}})
+    return without(old) == without(new) and \
+        {n: _folder(f) for n, f in old.adapters.items()} != \
+        {n: _folder(f) for n, f in new.adapters.items()}
+
+
+async def swap_adapters(ctx: ServerContext, base: str, adapters: dict[str, str]) -> None:
+    """Remove the adapters ``base`` serves that ``adapters`` drops or moves (after their
+    requests finish), then add the new ones."""
+    old = ctx.manager.get(base).entry.adapters
+    for name, folder in old.items():
+        if name not in adapters or _folder(adapters[name]) != _folder(folder):
+            await remove_adapter(ctx.manager, name)
+    for name, folder in adapters.items():
+        if name not in old or _folder(old[name]) != _folder(folder):
+            await add_adapter(ctx.manager, ctx.config, base, name, folder)
+
+
 @router.delete("/v1/models/{name:path}")
 async def delete_model(name: str, ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     res = ctx.manager.get(name)
     if name in res.entry.adapters:
-        raise InvalidRequest(f"'{name}' is an adapter of model '{res.name}': PUT that entry "
-                             "without it to remove it.", param="model")
+        raise InvalidRequest(f"'{name}' is an adapter of model '{res.name}': unload it "
+                             "(POST /v1/models/unload) or PUT that entry without it.",
+                             param="model")
     await ctx.manager.unregister(res.name)
     persisted = (await asyncio.to_thread(ctx.registry.remove, res.name)
                  if ctx.registry is not None else False)

@@ -41,16 +41,15 @@ def ndjson(payload: dict[str, Any]) -> str:
 
 
 def resolve_name(ctx: ServerContext, name: str) -> str:
-    """The registered name for ``name``; Ollama's default tag ``:latest`` may be left on."""
-    try:
-        return ctx.manager.resolve_name(name)
-    except ModelNotFound:
-        if name.endswith(":latest"):
-            try:
-                return ctx.manager.resolve_name(name.removesuffix(":latest"))
-            except ModelNotFound:
-                pass
-        raise
+    """The registered name for ``name`` (a LoRA adapter's own name: it runs with the
+    adapter); Ollama's default tag ``:latest`` may be left on."""
+    for candidate in (name, name.removesuffix(":latest")):
+        try:
+            model = ctx.manager.resolve_name(candidate)
+        except ModelNotFound:
+            continue
+        return candidate if candidate in ctx.manager.get(model).entry.adapters else model
+    raise ModelNotFound(name, ctx.manager.names)
 
 
 def keep_alive_seconds(value: float | int | str | None) -> float | None:
