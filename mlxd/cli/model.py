@@ -32,6 +32,9 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("source", help="folder, GGUF file, CTranslate2 folder, pypi:PKG==VER#path "
                                   "or hub id")
     p.add_argument("--no-hash", action="store_true", help="skip sha256 of local files")
+    p.add_argument("--base", default=None, metavar="NAME|FOLDER",
+                   help="an adapter SOURCE: check it against this base model (registered "
+                        "name or folder); a mismatch is an error")
     p.add_argument("--memory-budget", default=None, help="budget to check the fit against")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -74,13 +77,24 @@ def _add_convert(sub: Any) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing output")
     p.add_argument("--register", default=None, metavar="NAME",
                    help="register the result as NAME once the conversion is complete")
+    p.add_argument("--fuse", action="store_true",
+                   help="fuse --adapter into SOURCE (a text model folder): a fused model")
+    p.add_argument("--adapter", default=None, metavar="PATH",
+                   help="with --fuse: the adapter folder (mlx-lm LoRA/DoRA, or PEFT LoRA)")
+    p.add_argument("--base", default=None, metavar="FOLDER",
+                   help="a PEFT adapter SOURCE: the base model folder it is converted for "
+                        "(default: its base_model_name_or_path, when that folder is here)")
     _common(p, registry=True)
 
 
 def _add_register(sub: Any) -> None:
     p = sub.add_parser("register", help="add/update a registry entry (+ registration.json)")
     p.add_argument("name", help="the name clients use")
-    p.add_argument("source", help="the artifact: folder, GGUF file, pypi: source or hub id")
+    p.add_argument("source", help="the artifact: folder, GGUF file, pypi: source or hub id; "
+                                  "or an adapter folder (with --base)")
+    p.add_argument("--base", default=None, metavar="NAME",
+                   help="an adapter SOURCE: the registered model it is served over (default: "
+                        "the registered model whose source the adapter names)")
     p.add_argument("--kind", default=None,
                    choices=["text", "vision", "embedding", "rerank", "stt", "tts"])
     p.add_argument("--revision", default=None)
@@ -104,8 +118,9 @@ def _add_register(sub: Any) -> None:
 
 
 def _add_qualify(sub: Any) -> None:
-    p = sub.add_parser("qualify", help="check a registered model through the real server")
-    p.add_argument("name")
+    p = sub.add_parser("qualify", help="check a registered model (or adapter) through the "
+                                       "real server")
+    p.add_argument("name", help="a registered model or adapter name")
     p.add_argument("--url", default=None, help="qualify on this running server instead")
     p.add_argument("--api-key", default=None)
     p.add_argument("--skip", action="append", default=[], metavar="CHECK",

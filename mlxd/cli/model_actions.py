@@ -46,6 +46,10 @@ def do_inspect(args: argparse.Namespace, out: Console, err: Console) -> int:
     with progress_bar(err, "inspect", bytes_=True, enabled=not args.quiet) as progress:
         report = inspect_source(args.source, config=config, budget=budget,
                                 hashes=not args.no_hash, progress=progress)
+    if args.base is not None:
+        from mlxd.workflow.adapters import fit_base
+
+        report = fit_base(report, args.base, registry, home_of(args))
     if args.json:
         print_json(report)
     else:
@@ -82,8 +86,12 @@ def do_convert(args: argparse.Namespace, out: Console, err: Console) -> int:
         from mlxd.engines.device import preferred_float_dtype
 
         dtype = preferred_float_dtype()  # what the server would pick for this machine
+    if args.fuse != (args.adapter is not None):
+        raise ValueError("--fuse and --adapter PATH go together: `mlxd model convert BASE "
+                         "--fuse --adapter PATH` writes BASE with the adapter fused in")
     plan = plan_conversion(args.source, home=home_of(args), out=args.out, dtype=dtype,
-                           quantize=quant, trust_remote_code=args.trust_remote_code)
+                           quantize=quant, trust_remote_code=args.trust_remote_code,
+                           adapter=args.adapter, base=args.base)
     if args.register:
         _check_name_free(args, args.register, str(plan.output))
     if args.dry_run:
@@ -121,8 +129,22 @@ def _check_name_free(args: argparse.Namespace, name: str, source: str) -> None:
 
 
 def do_register(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from pathlib import Path
+
     from mlxd.models.spec import ModelKind
+    from mlxd.workflow.adapters import adapter_format
     from mlxd.workflow.register import register
+    from mlxd.workflow.register_adapter import register_adapter
+
+    if args.base is not None or adapter_format(Path(args.source).expanduser()) is not None:
+        manifest = register_adapter(args.name, args.source, base=args.base,
+                                    registry=registry_of(args), home=home_of(args),
+                                    replace=args.replace, command=_command())
+        if args.json:
+            print_json(manifest)
+        else:
+            render_registration(out, manifest)
+        return 0
 
     defaults = {f: getattr(args, f) for f in DEFAULT_FIELDS}
     manifest = register(

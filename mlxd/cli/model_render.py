@@ -87,7 +87,7 @@ def render_inspect(console: Console, r: dict[str, Any]) -> None:
                     f"{format_bytes(fit['weights_bytes'])} + reserve "
                     f"{format_bytes(fit['reserve_bytes'])}) of {format_bytes(fit['budget_bytes'])}")
     console.print(_kv_table(f"inspect {r.get('source', {}).get('spec', r.get('path'))}", [
-        ("kind", f"{r.get('kind')} ({r.get('kind_reason')})"),
+        ("kind", f"{r.get('kind')} ({r.get('kind_reason')})"), ("adapter", r.get("adapter")),
         ("format", r.get("format")), ("architecture", r.get("architecture")),
         ("model_type", r.get("model_type")), ("parameters", _params(r.get("parameters"))),
         ("quantization", r.get("quantization")), ("dtypes", r.get("dtypes")),
@@ -128,6 +128,8 @@ def render_plan(console: Console, plan: dict[str, Any]) -> None:
 def render_registration(console: Console, m: dict[str, Any]) -> None:
     console.print(_kv_table(f"registered {m['name']}", [
         ("registry", m.get("registry")), ("entry", m.get("entry")),
+        ("adapter of", m.get("base")), ("adapter", (m.get("artifact") or {}).get("path")
+                                        if m.get("base") else None),
         ("replaced", m.get("replaced")), ("pushed", m.get("pushed")),
         ("linked manifests", [i["manifest"] for i in m.get("inputs", [])]),
     ]))

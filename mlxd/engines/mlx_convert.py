@@ -41,3 +41,26 @@ def run_converter(converter: str, src: Path, dest: Path, *, dtype: str,
             lm_convert(str(src), mlx_path=str(dest), **kwargs)
         else:
             raise ValueError(f"unknown MLX converter {converter!r} (mlx-lm or mlx-vlm)")
+
+
+def fuse_adapter(base: Path, adapter: Path, dest: Path, *, dtype: str | None = None) -> int:
+    """Write ``base`` with the mlx-lm adapter in ``adapter`` (LoRA or DoRA) fused into its
+    weights to ``dest`` (which must not exist), the way ``mlx_lm.fuse`` does: load with
+    the adapter, replace each adapted layer by its ``fuse()``, save with config and
+    tokenizer. Returns the number of fused layers."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+    from mlx_lm.utils import load, save
+
+    model, tokenizer, config = load(str(base), adapter_path=str(adapter),  # type: ignore[misc]
+                                    return_config=True)
+    fused = [(name, module.fuse()) for name, module in model.named_modules()
+             if hasattr(module, "fuse")]
+    if fused:
+        model.update_modules(tree_unflatten(fused))
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+        config["torch_dtype"] = dtype
+    with contextlib.redirect_stdout(io.StringIO()):
+        save(dest, str(base), model, tokenizer, config, donate_model=False)
+    return len(fused)

@@ -194,6 +194,10 @@ def check_fits(targets: list[AdapterTarget], num_layers: int, base: Path, folder
         if layers is not None and m and int(m.group(1)) >= layers:
             raise AdapterError(f"{folder} adapts {t.path}; the base model {base.name} has "
                                f"{layers} layers: the adapter was trained for another model.")
+        if layers is not None and m and int(m.group(1)) < layers - num_layers:
+            raise AdapterError(f"{folder} adapts {t.path}, outside its last {num_layers} "
+                               f"layers of {layers} (num_layers in {CONFIG_FILE}): mlx-lm "
+                               "would not attach it.")
         if t.path not in linear:
             raise AdapterError(f"{folder} adapts {t.path}, which the base model {base.name} "
                                "does not have: the adapter was trained for another architecture.")

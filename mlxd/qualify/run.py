@@ -76,7 +76,8 @@ def in_process_server(entry: ModelEntry, registry: RegistryFile, home: Path,
     except CatalogError as e:
         raise WorkflowError(str(e)) from None
     policy = ManagerPolicy(budget_bytes=budget, contention="wait", wait_timeout_s=300.0)
-    app = build_app(config, catalog=Catalog([reg], policy, None, {}, []))
+    adapters = dict.fromkeys(entry.adapters, entry.name)  # served as names of their base
+    app = build_app(config, catalog=Catalog([reg], policy, None, adapters, []))
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", lifespan="on",
                                            timeout_graceful_shutdown=5))
@@ -187,18 +188,21 @@ def run_encoder_checks(client: httpx.Client, model: str, kind: ModelKind,
     return results
 
 
-def _run_checks(url: str, entry: ModelEntry, kind: ModelKind, api_key: str | None,
-                opts: qc.QualifyOptions, step: StepFn) -> list[qc.CheckResult]:
+def _run_checks(url: str, name: str, kind: ModelKind, api_key: str | None,
+                opts: qc.QualifyOptions, step: StepFn,
+                load_name: str | None = None) -> list[qc.CheckResult]:
+    """The checks of ``kind`` on the served ``name``, after loading ``load_name`` (the
+    model itself, or an adapter's base: loading it attaches its adapters)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=600.0, trust_env=False) as client:
         step("load")
-        load = qc.timed("load", qc.check_load, client, entry.name)
+        load = qc.timed("load", qc.check_load, client, load_name or name)
         if not load.passed:
             return [load]
         if kind == ModelKind.TEXT:
-            rest = run_text_checks(client, url, entry.name, api_key, opts, step)
+            rest = run_text_checks(client, url, name, api_key, opts, step)
         elif kind in (ModelKind.EMBEDDING, ModelKind.RERANK):
-            rest = run_encoder_checks(client, entry.name, kind, opts, step)
+            rest = run_encoder_checks(client, name, kind, opts, step)
         else:
             rest = [qc.CheckResult(str(kind), False, f"no qualification checks for {kind} "
                                    "models yet (text, embedding and rerank have them)")]
@@ -272,7 +276,16 @@ def qualify(name: str, *, registry: RegistryFile, home: Path,
             api_key: str | None = None, server_overrides: dict[str, Any] | None = None,
             command: list[str] | None = None,
             step: StepFn | None = None) -> dict[str, Any]:
-    """Qualify a registered model; returns (and writes) the qualification manifest."""
+    """Qualify a registered model, or an adapter (over its base, by its name); returns
+    (and writes) the qualification manifest."""
+    from mlxd.workflow.adapters import find_adapter
+
+    adapter = find_adapter(registry, name)
+    if adapter is not None:
+        return _qualify_adapter(name, *adapter, registry=registry, home=home,
+                                options=options or qc.QualifyOptions(), url=url,
+                                api_key=api_key, server_overrides=server_overrides,
+                                command=command, step=step or (lambda _s: None))
     entry = find_entry(registry, name)
     opts = options or qc.QualifyOptions()
     kind = _entry_kind(entry, home)
@@ -284,11 +297,41 @@ def qualify(name: str, *, registry: RegistryFile, home: Path,
     manifest = start_qualification(entry, kind, home, opts, url or "in-process", command)
     say = step or (lambda _s: None)
     if url:
-        results = _run_checks(url, entry, kind, api_key, opts, say)
+        results = _run_checks(url, entry.name, kind, api_key, opts, say)
     else:
         with in_process_server(entry, registry, home, server_overrides) as local_url:
-            results = _run_checks(local_url, entry, kind, None, opts, say)
+            results = _run_checks(local_url, entry.name, kind, None, opts, say)
     return finish_qualification(manifest, results, entry=entry, registry=registry, home=home)
+
+
+def _qualify_adapter(name: str, base: ModelEntry, folder: Path, *, registry: RegistryFile,
+                     home: Path, options: qc.QualifyOptions, url: str | None,
+                     api_key: str | None, server_overrides: dict[str, Any] | None,
+                     command: list[str] | None, step: StepFn) -> dict[str, Any]:
+    """The text checks on the adapter's served name, over its base (loaded with every
+    adapter the base entry names, as the server serves it). ``qualification.json`` goes
+    in the adapter's folder; the registry keeps no summary for an adapter."""
+    manifest = new_manifest("qualification", command=command)
+    registration = manifest_path(folder, "registration")
+    manifest.update(name=name, kind="adapter", base=base.name, source=str(folder),
+                    entry=base.public(), server=url or "in-process",
+                    options={k: sorted(v) if isinstance(v, frozenset) else v
+                             for k, v in vars(options).items()},
+                    inputs=[link_to(registration)] if registration.is_file() else [],
+                    artifact={"path": str(folder), "files": [f.as_dict()
+                                                             for f in inventory(folder)]})
+    if url:
+        results = _run_checks(url, name, ModelKind.TEXT, api_key, options, step, base.name)
+    else:
+        with in_process_server(base, registry, home, server_overrides) as local_url:
+            results = _run_checks(local_url, name, ModelKind.TEXT, None, options, step,
+                                  base.name)
+    ran = [r for r in results if r.passed is not None]
+    manifest["checks"] = {r.name: r.as_dict() for r in results}
+    manifest["figures"] = _figures(results)
+    finish_manifest(manifest, "pass" if ran and all(r.passed for r in ran) else "fail")
+    write_manifest(manifest_path(folder, "qualification"), manifest)
+    return manifest
 
 
 def record_in_registry(registry: RegistryFile, name: str, source: str,

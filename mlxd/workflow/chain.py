@@ -75,9 +75,13 @@ def _walk(path: Path, seen: set[str], verify: bool, problems: list[str]) -> list
 
 def show_chain(name: str, *, registry: RegistryFile, home: Path,
                verify: bool = False) -> dict[str, Any]:
-    """The entry, its manifests newest step first, and (with ``verify``) any problems."""
-    entry = find_entry(registry, name)
-    mdir = manifest_dir(entry, home)
+    """The entry, its manifests newest step first, and (with ``verify``) any problems.
+    An adapter's manifests live in its folder; its entry is its base's."""
+    from mlxd.workflow.adapters import find_adapter
+
+    adapter = find_adapter(registry, name)
+    entry = adapter[0] if adapter else find_entry(registry, name)
+    mdir = adapter[1] if adapter else manifest_dir(entry, home)
     problems: list[str] = []
     chain: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -86,13 +90,14 @@ def show_chain(name: str, *, registry: RegistryFile, home: Path,
             chain.extend(_walk(manifest_path(mdir, step), seen, verify, problems))
         except ManifestError as e:
             problems.append(str(e))
-    source = Path(entry.source)
+    source = mdir if adapter else Path(entry.source)
     folder = source if source.is_dir() else None
     for step in ("conversion", "acquisition"):
         if folder is not None:
             chain.extend(_walk(manifest_path(folder, step), seen, verify, problems))
     order = {"qualification": 0, "registration": 1, "conversion": 2, "acquisition": 3}
     chain.sort(key=lambda c: order.get(c["step"], 9))
-    return {"name": name, "entry": entry.public(), "registry": str(registry.path),
+    return {"name": name, "entry": entry.public(),
+            "adapter_of": entry.name if adapter else None, "registry": str(registry.path),
             "manifest_dir": str(mdir), "chain": chain, "verified": verify,
             "problems": problems}

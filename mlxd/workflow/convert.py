@@ -36,6 +36,8 @@ SUPPORTED_CONVERSIONS = (
     "--quantize",
     "MLX -> re-quantised MLX (mlx-lm, --quantize)",
     "CTranslate2 Whisper -> mlx-whisper",
+    "Hugging Face PEFT LoRA adapter -> mlx-lm adapter",
+    "MLX model + mlx-lm adapter (LoRA or DoRA) -> fused MLX model (--fuse --adapter)",
 )
 DTYPES = ("float32", "float16", "bfloat16")
 Q_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
@@ -70,11 +72,15 @@ class ConversionPlan:
     trust_remote_code: bool = False
     input_manifest: Path | None = None
     steps: list[str] = field(default_factory=list)
+    adapter: Path | None = None  # fuse: the adapter folder; PEFT: the base model folder
+    base: Path | None = None
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(input=str(self.input), output=str(self.output),
-                    input_manifest=str(self.input_manifest) if self.input_manifest else None)
+                    input_manifest=str(self.input_manifest) if self.input_manifest else None,
+                    adapter=str(self.adapter) if self.adapter else None,
+                    base=str(self.base) if self.base else None)
         return data
 
 
@@ -90,6 +96,12 @@ def _gguf_input(path: Path) -> Path:
 def _choose_converter(report: dict[str, Any], quantize: Quantization | None) -> str:
     fmt, kind = report.get("format"), report.get("kind")
     what = f"{report.get('path')} ({fmt}, kind {kind or 'unknown'})"
+    if fmt == "peft-adapter":
+        return "peft-lora"
+    if fmt == "mlx-lm-adapter":
+        raise WorkflowError(f"{report.get('path')} is an mlx-lm adapter: it is served as is "
+                            "over its base (`mlxd model register NAME PATH --base BASE`), or "
+                            "fused into it with `mlxd model convert BASE --fuse --adapter PATH`")
     if fmt == "gguf":
         if report.get("converter") != "gguf":
             raise unsupported_conversion(f"{what}: {report.get('conversion_note')}")
@@ -106,9 +118,11 @@ def _choose_converter(report: dict[str, Any], quantize: Quantization | None) -> 
 
 
 def plan_conversion(spec: str, *, home: Path, out: Path | None = None, dtype: str = "float32",
-                    quantize: Quantization | None = None,
-                    trust_remote_code: bool = False) -> ConversionPlan:
-    """Decide converter, output and steps for SOURCE (reads metadata only)."""
+                    quantize: Quantization | None = None, trust_remote_code: bool = False,
+                    adapter: Path | None = None, base: Path | None = None) -> ConversionPlan:
+    """Decide converter, output and steps for SOURCE (reads metadata only). With
+    ``adapter``, SOURCE is the base model and the adapter is fused into it; ``base`` is
+    the model folder a PEFT adapter SOURCE is converted for (its layer count and shapes)."""
     if dtype not in DTYPES:
         raise WorkflowError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if quantize is not None and quantize.mode not in Q_MODES:
@@ -117,18 +131,70 @@ def plan_conversion(spec: str, *, home: Path, out: Path | None = None, dtype: st
     ref = parse_source(spec)
     path = local_path(ref, home)
     report = inspect_path(path, hashes=False)
+    if adapter is not None:
+        return _plan_fuse(spec, path, report, Path(adapter).expanduser().absolute(),
+                          home=home, out=out, dtype=dtype, quantize=quantize)
     converter = _choose_converter(report, quantize)
+    if converter == "peft-lora" and quantize is not None:
+        raise WorkflowError("a PEFT adapter is converted as is (float32 factors): drop "
+                            "--quantize")
     source_file = _gguf_input(path) if converter == "gguf" else path
     acq = (path if path.is_dir() else path.parent) / "acquisition.json"
     qtag = f"-q{quantize.bits or 'd'}{'' if quantize.mode == 'affine' else quantize.mode}" \
         if quantize else ""
     name = slug(source_file.name.removesuffix(".gguf") if source_file.is_file() else path.name)
     target = Path(out).expanduser().absolute() if out else \
+        home / "models" / "adapters" / name if converter == "peft-lora" else \
         home / "models" / "mlx" / f"{name}-{dtype}{qtag}"
     plan = ConversionPlan(spec, source_file, str(report.get("format")), report.get("kind"),
-                          report.get("architecture"), converter, target, dtype, quantize,
-                          trust_remote_code, acq if acq.is_file() else None)
+                          report.get("architecture"), converter, target,
+                          "float32" if converter == "peft-lora" else dtype, quantize,
+                          trust_remote_code, acq if acq.is_file() else None,
+                          base=Path(base).expanduser().absolute() if base else None)
     plan.steps = _steps(plan)
+    return plan
+
+
+def _plan_fuse(spec: str, path: Path, report: dict[str, Any], adapter: Path, *, home: Path,
+               out: Path | None, dtype: str, quantize: Quantization | None) -> ConversionPlan:
+    """Fuse ``adapter`` into the model at ``path``: both are checked before anything runs."""
+    from mlxd.models.adapters import AdapterError
+    from mlxd.workflow.adapters import adapter_format, describe_adapter
+
+    if quantize is not None:
+        raise WorkflowError("--fuse writes the fused model in --dtype; quantise it with a "
+                            "second `mlxd model convert --quantize`")
+    if report.get("kind") != "text" or report.get("format") not in ("mlx", "safetensors"):
+        raise WorkflowError(f"{path} ({report.get('format')}, kind {report.get('kind')}) is not "
+                            "a text model folder to fuse an adapter into")
+    if report.get("quantization"):
+        raise WorkflowError(f"{path} is quantised; fuse into the unquantised model, then "
+                            "quantise the result")
+    if adapter_format(adapter) is None:
+        raise WorkflowError(f"{adapter} is not an adapter folder (adapter_config.json with "
+                            "adapters.safetensors or adapter_model.safetensors)")
+    try:
+        facts = describe_adapter(adapter, path)
+    except AdapterError as e:
+        raise WorkflowError(str(e)) from None
+    if facts["fit"].get("fits") is False:
+        raise WorkflowError(facts["fit"]["error"])
+    if facts["fine_tune_type"] not in ("lora", "dora"):
+        raise WorkflowError(f"{adapter}: fine_tune_type {facts['fine_tune_type']!r} cannot be "
+                            "fused (lora or dora)")
+    target = Path(out).expanduser().absolute() if out else \
+        home / "models" / "mlx" / f"{slug(path.name)}-{slug(adapter.name)}-fused-{dtype}"
+    acq = path / "acquisition.json"
+    plan = ConversionPlan(spec, path, str(report.get("format")), "text",
+                          report.get("architecture"), "mlx-lm-fuse", target, dtype, None,
+                          False, acq if acq.is_file() else None, adapter=adapter)
+    plan.steps = ([f"convert the PEFT adapter {adapter.name} to mlx-lm's format (scratch)"]
+                  if facts["format"] == "peft" else []) + [
+        f"mlx-lm load with the {facts['fine_tune_type']} adapter {adapter.name}",
+        f"fuse every adapted layer ({facts.get('adapted_layers') or facts.get('layers')} "
+        f"{'layers' if facts['format'] == 'peft' else 'linears'}), cast to {dtype}",
+        "save weights, config and tokenizer",
+        f"write conversion.json, move into {target}"]
     return plan
 
 
@@ -146,6 +212,12 @@ def _steps(plan: ConversionPlan) -> list[str]:
             steps += ["write float32 MLX, then mlx-lm: " + (qtext or f"cast to {plan.dtype}")]
         else:
             steps.append(f"write {plan.dtype} safetensors")
+    elif plan.converter == "peft-lora":
+        steps = ["read adapter_config.json and adapter_model.safetensors (no torch)",
+                 "lora_a = lora_A.T, lora_b = lora_B.T (float32), scale = lora_alpha / r",
+                 "num_layers from the first adapted layer to the base's last"
+                 + (f" ({plan.base.name})" if plan.base else ""),
+                 "check the result against the base model when it is here"]
     elif plan.converter == "ct2-whisper":
         steps = ["read the CTranslate2 model.bin", "split fused QKV / cross-attention KV",
                  f"write mlx-whisper weights.safetensors ({plan.dtype}) + config.json"]
@@ -168,6 +240,12 @@ def _run_mlx_lm(src: Path, dest: Path, plan: ConversionPlan) -> None:
 def _convert_into(plan: ConversionPlan, staging: Path, progress: ProgressFn | None,
                   permute: bool) -> dict[str, Any]:
     """Run the converter so that ``staging`` holds the finished model."""
+    if plan.converter == "peft-lora":
+        from mlxd.workflow.adapters import convert_peft_into
+
+        return convert_peft_into(plan.input, staging, plan.base)
+    if plan.converter == "mlx-lm-fuse":
+        return _fuse_into(plan, staging)
     if plan.converter == "ct2-whisper":
         from mlxd.sources.ct2_whisper import write_whisper_folder
 
@@ -196,6 +274,27 @@ def _convert_into(plan: ConversionPlan, staging: Path, progress: ProgressFn | No
     staging.rmdir()
     _run_mlx_lm(plan.input, staging, plan)
     return {}
+
+
+def _fuse_into(plan: ConversionPlan, staging: Path) -> dict[str, Any]:
+    from mlxd.engines.mlx_convert import fuse_adapter  # engines/ alone imports MLX libraries
+    from mlxd.workflow.adapters import adapter_format, convert_peft_into
+
+    assert plan.adapter is not None
+    adapter = plan.adapter
+    scratch = scratch_path(plan.output, "adapter")
+    try:
+        if adapter_format(adapter) == "peft":
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            convert_peft_into(adapter, scratch, plan.input)
+            adapter = scratch
+        staging.rmdir()
+        fused = fuse_adapter(plan.input, adapter, staging, dtype=plan.dtype)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"fused_layers": fused, "adapter": {
+        "path": str(plan.adapter), "files": [f.as_dict() for f in inventory(plan.adapter)]}}
 
 
 def run_conversion(plan: ConversionPlan, *, force: bool = False, command: list[str] | None = None,

