@@ -27,6 +27,7 @@ from mlxd.sources.manifest import (
     write_manifest,
 )
 from mlxd.sources.refs import slug
+from mlxd.sources.staging import OutputExists
 from mlxd.workflow import WorkflowError
 from mlxd.workflow.adapters import DORA_NOTE, adapter_format, describe_adapter
 from mlxd.workflow.convert import plan_conversion, run_conversion
@@ -163,3 +164,6 @@ def _convert(path: Path, target: Path, base: Path, home: Path, replace: bool,
         return run_conversion(plan, force=replace, command=command)
     except AdapterError as e:
         raise WorkflowError(str(e)) from None
+    except OutputExists:  # staging names convert's flag; register's is --replace
+        raise WorkflowError(f"{target} already exists (an earlier conversion of this adapter); "
+                            "pass --replace to convert it again") from None
