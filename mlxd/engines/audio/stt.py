@@ -53,6 +53,7 @@ from mlxd.engines.base import (
 )
 from mlxd.engines.device import device_name, weights_nbytes
 from mlxd.errors import InvalidRequest, ModelLoadError
+from mlxd.models.engine import EngineFacts, EngineStats
 from mlxd.runtime.worker import CancelToken, ModelWorker
 
 log = logging.getLogger(__name__)
@@ -123,9 +124,15 @@ class STTEngine:
                 "multilingual": bool(self.model.is_multilingual) if whisper else None,
                 "n_mels": self.model.dims.n_mels if whisper else None}
 
-    def stats(self) -> dict[str, Any]:
+    def facts(self) -> EngineFacts:
+        return EngineFacts(sample_rate=16_000, card=self.describe())
+
+    def stats(self) -> EngineStats:
         with self._lock:
-            return dict(self._counts)
+            return EngineStats(running=int(self._counts["running"]), counters=dict(self._counts))
+
+    def persist_state(self) -> int:
+        return 0  # nothing outlives an unload
 
     # -- requests ------------------------------------------------------------------------
     async def transcribe(self, request: TranscriptionRequest,

@@ -27,6 +27,7 @@ from mlxd.engines.audio.speech_backend import SpeechBackend
 from mlxd.engines.base import AudioChunk, SpeechRequest, Voice
 from mlxd.errors import ModelLoadError
 from mlxd.media.phonemes import split_sentences
+from mlxd.models.engine import EngineFacts, EngineStats
 from mlxd.models.voices import VoiceFile, check_speed, check_voice, piper_config_path
 from mlxd.runtime.worker import ModelWorker
 
@@ -85,10 +86,18 @@ class TTSEngine:
         return {"sample_rate": backend.sample_rate, "voices": [v.id for v in self._voices],
                 **backend.describe()}
 
-    def stats(self) -> dict[str, Any]:
+    def facts(self) -> EngineFacts:
+        return EngineFacts(sample_rate=self._loaded().sample_rate, voices=tuple(self.voices()),
+                           card=self.describe())
+
+    def stats(self) -> EngineStats:
         rtf = self._synth_seconds / self._audio_seconds if self._audio_seconds else 0.0
-        return {"requests": self._requests, "sentences": self._sentences,
-                "audio_seconds": round(self._audio_seconds, 3), "real_time_factor": round(rtf, 4)}
+        return EngineStats(counters={
+            "requests": self._requests, "sentences": self._sentences,
+            "audio_seconds": round(self._audio_seconds, 3), "real_time_factor": round(rtf, 4)})
+
+    def persist_state(self) -> int:
+        return 0  # nothing outlives an unload
 
     def voices(self) -> list[Voice]:
         return [Voice(id=v.id, name=v.name, language=v.language) for v in self._voices]

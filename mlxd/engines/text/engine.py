@@ -56,6 +56,7 @@ from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
 from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
 from mlxd.generation.tools import ToolCallFormat
 from mlxd.models.adapters import read_adapter
+from mlxd.models.engine import EngineFacts, EngineStats, PrefixCacheStats
 from mlxd.runtime.distributed import GroupOptions
 from mlxd.runtime.worker import ModelWorker
 
@@ -325,18 +326,21 @@ class MLXLanguageModel:
                             and isinstance(sched.decoder, LMBatchDecoder) else "off"),
         }
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.scheduler.stats()) if self.scheduler else {}
-        if self.prefix_cache is not None:
-            out.update(prefix_cache_hits=self.prefix_cache.hits,
-                       prefix_cache_misses=self.prefix_cache.misses,
-                       prefix_cache_bytes=self.prefix_cache.nbytes,
-                       prefix_cache_entries=len(self.prefix_cache))
-            disk = self.prefix_cache.disk
-            if disk is not None:
-                out.update(prefix_cache_disk_bytes=disk.nbytes,
-                           prefix_cache_disk_reads=disk.reads)
-        return out
+    def facts(self) -> EngineFacts:
+        return EngineFacts(context_length=self.context_length,
+                           reasoning_parser=self.reasoning.name if self.reasoning else None,
+                           card=self.describe())
+
+    def stats(self) -> EngineStats:
+        out = self.scheduler.stats() if self.scheduler else EngineStats()
+        cache = self.prefix_cache
+        if cache is None:
+            return out
+        disk = cache.disk
+        return replace(out, prefix_cache=PrefixCacheStats(
+            hits=cache.hits, misses=cache.misses, nbytes=cache.nbytes, entries=len(cache),
+            disk_bytes=disk.nbytes if disk is not None else None,
+            disk_reads=disk.reads if disk is not None else 0))
 
     # -- requests ------------------------------------------------------------
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:

@@ -48,6 +48,7 @@ from mlxd.errors import Overloaded
 from mlxd.generation.events import Event, TokenLogprob, TopLogprob
 from mlxd.generation.params import SamplingParams
 from mlxd.generation.pipeline import OutputPipeline
+from mlxd.models.engine import EngineStats, SchedulerStats
 
 log = logging.getLogger(__name__)
 
@@ -186,10 +187,16 @@ class SchedulerBase:
             self._cancelled.add(seq_id)
         self._wake()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         with self._lock:
-            return {"running": len(self.running), "waiting": len(self._waiting),
-                    "steps": self.steps, "batch_sizes": list(self.batch_sizes)}
+            running, waiting = len(self.running), len(self._waiting)
+            counted = SchedulerStats(steps=self.steps, batch_sizes=tuple(self.batch_sizes))
+        return EngineStats(running=running, waiting=waiting,
+                           scheduler=self._more_stats(counted))
+
+    def _more_stats(self, stats: SchedulerStats) -> SchedulerStats:
+        """What a scheduler adds to its counters (drafts, KV admission)."""
+        return stats
 
     # -- worker thread ----------------------------------------------------
     def has_work(self) -> bool:
@@ -409,13 +416,9 @@ class BatchScheduler(SchedulerBase):
             self.kv.release(seq.seq_id)
         super()._finish(seq, reason, error)
 
-    def stats(self) -> dict[str, Any]:
-        out = super().stats()
-        if isinstance(self.decoder, DraftCounting):
-            out["draft_accepted"], out["draft_rejected"] = self.decoder.draft_totals()
-        if self.kv is not None:
-            out["kv"] = self.kv.stats()
-        return out
+    def _more_stats(self, stats: SchedulerStats) -> SchedulerStats:
+        draft = self.decoder.draft_totals() if isinstance(self.decoder, DraftCounting) else None
+        return replace(stats, draft=draft, kv=self.kv.stats() if self.kv else None)
 
     def cache_nbytes(self) -> int:
         """Bytes the running batch's KV states hold (any thread)."""

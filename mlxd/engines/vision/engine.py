@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from mlxd.engines.vision.patches import PatchHandle, registry
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.generation.events import TokenLogprob
 from mlxd.jsonfile import read_json_object
+from mlxd.models.engine import EngineStats, PrefixCacheStats
 from mlxd.models.memory import FEATURE_CACHE_BYTES
 from mlxd.runtime.worker import ModelWorker
 
@@ -169,17 +171,18 @@ class MLXMultimodalLM(MLXLanguageModel):
                    vision_tower_runs=features.tower_runs if features else 0)
         return out
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         out = super().stats()
         decoder = self._vlm_decoder()
         if decoder is not None and self._prefix_cache_bytes() > 0:
-            out.update(prefix_cache_hits=decoder.prefix_hits,
-                       prefix_cache_misses=decoder.prefix_misses,
-                       prefix_cache_bytes=decoder.prefix_cache_nbytes())
+            out = replace(out, prefix_cache=replace(
+                out.prefix_cache or PrefixCacheStats(), hits=decoder.prefix_hits,
+                misses=decoder.prefix_misses, nbytes=decoder.prefix_cache_nbytes()))
         if self.features is not None:
-            out.update(feature_cache_hits=self.features.hits,
-                       feature_cache_misses=self.features.misses,
-                       vision_tower_runs=self.features.tower_runs)
+            out = replace(out, counters={**out.counters,
+                                         "feature_cache_hits": self.features.hits,
+                                         "feature_cache_misses": self.features.misses,
+                                         "vision_tower_runs": self.features.tower_runs})
         return out
 
     async def prompt_logprobs(self, prepared: PreparedPrompt, top: int) -> list[TokenLogprob]:

@@ -200,7 +200,7 @@ async def _generate(ctx: ServerContext, req: ChatRequest | GenerateRequest, requ
            else generate_request(req, defaults))
     session = await TextSession.open(ctx, name, gen, endpoint=endpoint)
     try:
-        if req.think and not session.engine.describe().get("reasoning_parser"):
+        if req.think and not session.engine.facts().reasoning_parser:
             raise InvalidRequest(f"\"{req.model}\" does not support thinking.", param="think")
         ctx.manager.get(name).keep_alive = keep_alive
     except BaseException:

@@ -48,12 +48,12 @@ def check_input(text: str, max_chars: int) -> None:
                              param="input", code="input_too_long")
 
 
-def model_voices(ctx: ServerContext, res: ResidencyManager) -> list[VoiceFile]:
-    """The loaded model's voices, else those in its files if they are on disk ([]: unknown
-    until it loads)."""
-    engine = res.engine
-    if engine is not None:
-        return [VoiceFile(v.id, v.name, v.language) for v in engine.voices()]
+async def model_voices(ctx: ServerContext, res: ResidencyManager) -> list[VoiceFile]:
+    """The loaded model's voices (read through a lease, so it stays loaded meanwhile), else
+    those in its files if they are on disk ([]: unknown until it loads)."""
+    async with ctx.manager.lease_if_loaded(res.name, SPEECH) as lease:
+        if lease is not None:
+            return [VoiceFile(v.id, v.name, v.language) for v in lease.engine.facts().voices]
     try:
         folder = local_path_of(res.entry, ctx.config.home)
         return voices_in(folder) if folder is not None else []
@@ -129,7 +129,7 @@ async def create_speech(req: SpeechCreateRequest,
     check_input(req.input, ctx.config.max_speech_input_chars)
     check_speed(req.speed)
     res = ctx.manager.get(req.model)
-    own = [v.id for v in model_voices(ctx, res)]
+    own = [v.id for v in await model_voices(ctx, res)]
     aliases = res.entry.voice_aliases
     voice = req.voice if req.voice in own else resolve_voice(req.voice, aliases)
     check_voice(voice, own, res.name, aliases)
@@ -139,7 +139,7 @@ async def create_speech(req: SpeechCreateRequest,
         chunks = engine.synthesize(SpeechRequest(text=req.input, voice=voice,
                                                  speed=req.speed, instructions=req.instructions))
         first = await anext(chunks, None)  # errors here are still an HTTP status
-        rate = first.sample_rate if first else int(engine.describe().get("sample_rate", 24000))
+        rate = first.sample_rate if first else engine.facts().sample_rate or 24_000
         stream = _encoded(first, chunks, speech_encoder(req.response_format, rate))
     except BaseException:
         await lease.release()
@@ -162,5 +162,5 @@ async def list_voices(model: str | None = Query(None, description="a text-to-spe
         residencies = [r for r in ctx.manager.residencies() if r.kind in TTS_KINDS]
     data = [{"id": v.id, "name": v.name, "language": v.language, "model": r.name,
              "aliases": [a for a, target in r.entry.voice_aliases.items() if target == v.id]}
-            for r in residencies for v in model_voices(ctx, r)]
+            for r in residencies for v in await model_voices(ctx, r)]
     return JSONResponse({"object": "list", "data": data})
