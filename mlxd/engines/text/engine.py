@@ -79,7 +79,6 @@ class TextEngineOptions:
     prefix_cache_bytes: int = 256 * 1024 * 1024
     batching: bool = True
     max_context: int | None = None
-    default_max_tokens: int | None = None  # None: the rest of the context
     kv_output_estimate: int = 1024  # output tokens expected of a request with no limit
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -230,8 +229,7 @@ class MLXLanguageModel:
         vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
                     or len(tok))
         grammar = GrammarTokenizer(tok.backend_tokenizer, vocab, sorted(tok.eos_token_ids))
-        limits = InputLimits(self.context_length, self.vocab_size, max_token_chars(tok),
-                             self.options.default_max_tokens)
+        limits = InputLimits(self.context_length, self.vocab_size, max_token_chars(tok))
         return InputProcessor(self.name, tok, limits, reasoning=self.reasoning,
                               tool_format=self.tool_format, grammar_tokenizer=grammar)
 

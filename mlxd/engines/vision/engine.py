@@ -99,8 +99,7 @@ class MLXMultimodalLM(MLXLanguageModel):
         tok = self.tokenizer
         grammar = GrammarTokenizer(tok.backend_tokenizer, self.vocab_size,
                                    sorted(tok.eos_token_ids))
-        limits = InputLimits(self.context_length, self.vocab_size, max_token_chars(tok),
-                             self.options.default_max_tokens)
+        limits = InputLimits(self.context_length, self.vocab_size, max_token_chars(tok))
         prepare = {"image_token_index": config.get("image_token_index",
                                                    config.get("image_token_id")),
                    "add_special_tokens": should_add_special_tokens(self.model_type,

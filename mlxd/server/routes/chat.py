@@ -25,14 +25,12 @@ from mlxd.protocol.tokenize import TokenizeRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import constraint, tool_choice, tool_specs
+from mlxd.server.request_policy import pick, sampling_params, stop_list
 from mlxd.server.sse import SSE_COMMENT_KEEPALIVE, SSE_DONE, SSE_HEADERS, sse_data
 from mlxd.server.text_session import (
     TextSession,
     finish_of,
     merge_usage,
-    pick,
-    sampling_params,
-    stop_list,
     usage_openai,
 )
 
@@ -67,7 +65,7 @@ def generation_request(ctx: ServerContext, req: ChatCompletionRequest) -> Genera
             seed=req.seed, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=req.logit_bias, defaults=d),
-        max_tokens=pick(req.max_completion_tokens, req.max_tokens, d.max_tokens),
+        max_tokens=pick(req.max_completion_tokens, req.max_tokens),
         stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,

@@ -19,15 +19,13 @@ from mlxd.protocol.openai import CompletionRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import constraint
+from mlxd.server.request_policy import sampling_params, stop_list
 from mlxd.server.routes.chat import finish_reason
 from mlxd.server.sse import SSE_COMMENT_KEEPALIVE, SSE_DONE, SSE_HEADERS, sse_data
 from mlxd.server.text_session import (
     TextSession,
     finish_of,
     merge_usage,
-    pick,
-    sampling_params,
-    stop_list,
     usage_openai,
 )
 
@@ -60,7 +58,7 @@ def generation_request(ctx: ServerContext, req: CompletionRequest,
             seed=req.seed, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=req.logit_bias, defaults=d),
-        max_tokens=pick(req.max_tokens, d.max_tokens),
+        max_tokens=req.max_tokens,
         stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
