@@ -13,24 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxd.engines.base import SPEECH, AudioChunk, SpeechRequest, SpeechSynthesizer
-from mlxd.errors import InvalidRequest, MlxdError
+from mlxd.errors import InvalidRequest
 from mlxd.media.audio_encode import MEDIA_TYPES, SpeechEncoder, speech_encoder
 from mlxd.models.catalog import CatalogError, local_path_of
-from mlxd.models.manager import ModelLease
 from mlxd.models.residency import ResidencyManager
 from mlxd.models.spec import TTS_KINDS
 from mlxd.models.voices import VoiceFile, check_speed, check_voice, resolve_voice, voices_in
 from mlxd.protocol.speech import SpeechCreateRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
+from mlxd.server.leased_stream import StreamError, leased_stream
 from mlxd.server.sse import SSE_HEADERS, sse_data
 
 log = logging.getLogger(__name__)
@@ -78,40 +78,29 @@ async def _encoded(first: AudioChunk | None, rest: AsyncIterator[AudioChunk],
             await close()
 
 
-async def _audio_body(stream: AsyncGenerator[bytes, None],
-                      lease: ModelLease[Any]) -> AsyncIterator[bytes]:
-    try:
+async def _audio_body(stream: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(stream):
         async for data in stream:
             if data:
                 yield data
-    finally:
-        await stream.aclose()
-        await lease.release()
 
 
-async def _sse_body(stream: AsyncGenerator[bytes, None], lease: ModelLease[Any],
-                    characters: int) -> AsyncIterator[str]:
-    try:
-        try:
-            async for data in stream:
-                if data:
-                    yield sse_data({"type": "speech.audio.delta",
-                                    "audio": base64.b64encode(data).decode("ascii")})
-        except Exception as e:  # the status is sent: say it in the stream, as chat does
-            log.warning("speech stream failed: %s: %s", type(e).__name__, e)
-            status = e.status if isinstance(e, MlxdError) else 500
-            message = e.message if isinstance(e, MlxdError) else "speech synthesis failed"
-            yield sse_data({"type": "error", "error": {
-                "message": message, "type": "invalid_request_error" if status < 500
-                else "server_error", "param": None, "code": "speech_failed"}})
-            return
-        # These models read characters, not tokens: input_tokens counts characters.
-        yield sse_data({"type": "speech.audio.done",
-                        "usage": {"input_tokens": characters, "output_tokens": 0,
-                                  "total_tokens": characters}})
-    finally:
-        await stream.aclose()
-        await lease.release()
+async def _sse_body(stream: AsyncGenerator[bytes, None], characters: int) -> AsyncIterator[str]:
+    async with contextlib.aclosing(stream):
+        async for data in stream:
+            if data:
+                yield sse_data({"type": "speech.audio.delta",
+                                "audio": base64.b64encode(data).decode("ascii")})
+    # These models read characters, not tokens: input_tokens counts characters.
+    yield sse_data({"type": "speech.audio.done",
+                    "usage": {"input_tokens": characters, "output_tokens": 0,
+                              "total_tokens": characters}})
+
+
+def _sse_error(error: StreamError) -> str:
+    return sse_data({"type": "error", "error": {
+        "message": error.message, "type": "invalid_request_error" if error.status < 500
+        else "server_error", "param": None, "code": "speech_failed"}})
 
 
 _AUDIO_BODY = {"schema": {"type": "string", "format": "binary"}}
@@ -145,9 +134,10 @@ async def create_speech(req: SpeechCreateRequest,
         await lease.release()
         raise
     if req.stream_format == "sse":
-        return StreamingResponse(_sse_body(stream, lease, len(req.input)),
+        return StreamingResponse(leased_stream(_sse_body(stream, len(req.input)), lease.release,
+                                               _sse_error, "speech synthesis failed"),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    return StreamingResponse(_audio_body(stream, lease),
+    return StreamingResponse(leased_stream(_audio_body(stream), lease.release),
                              media_type=MEDIA_TYPES[req.response_format])
 
 
