@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -223,3 +223,9 @@ def to_transcription(result: dict[str, Any], duration: float) -> Transcription:
 
 def _float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import Transcriber
+
+    _implements: type[Transcriber] = STTEngine

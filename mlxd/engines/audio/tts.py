@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -122,3 +122,9 @@ class TTSEngine:
             if len(samples):
                 yield AudioChunk(pcm=np.asarray(samples, dtype="<i2").tobytes(),
                                  sample_rate=backend.sample_rate)
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import SpeechSynthesizer
+
+    _implements: type[SpeechSynthesizer] = TTSEngine

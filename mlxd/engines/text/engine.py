@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
@@ -484,3 +484,9 @@ class MLXLanguageModel:
                     tops.append(TopLogprob(t, float(row[i].item()), list(t.encode())))
             out.append(TokenLogprob(tid, text, float(row[tid].item()), list(text.encode()), tops))
         return out
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import TextGenerator
+
+    _implements: type[TextGenerator] = MLXLanguageModel

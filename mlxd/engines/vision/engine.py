@@ -18,7 +18,7 @@ import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -240,3 +240,9 @@ def _eos_ids(config: dict[str, Any], tokenizer: Any, folder: Path) -> list[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import TextGenerator
+
+    _implements: type[TextGenerator] = MLXMultimodalLM
