@@ -22,6 +22,7 @@ from fastapi.responses import StreamingResponse
 
 from mlxd.engines.base import Transcriber, Transcription, TranscriptionRequest
 from mlxd.models.manager import ModelLease
+from mlxd.runtime.channel import LoopChannel
 from mlxd.server.disconnect import unless_disconnected
 from mlxd.server.leased_stream import StreamError, leased_stream
 from mlxd.server.sse import SSE_HEADERS, sse_data
@@ -34,14 +35,9 @@ class _Pieces:
     """Text pieces from the worker thread, and the job that makes them."""
 
     def __init__(self, engine: Transcriber, job: TranscriptionRequest) -> None:
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[str] = asyncio.Queue()
-
-        def on_text(text: str) -> None:  # on the worker thread
-            loop.call_soon_threadsafe(self.queue.put_nowait, text)
-
+        self.pieces: LoopChannel[str] = LoopChannel()  # sent from the worker thread
         self.task: asyncio.Future[Transcription] = asyncio.ensure_future(
-            engine.transcribe(job, on_text))
+            engine.transcribe(job, self.pieces.send))
         # A client that left before the end: the job's outcome is still retrieved.
         self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -54,17 +50,17 @@ class _Pieces:
 
     async def next(self) -> str | None:
         """The next piece, or None once the job has ended (raising its error, if any)."""
-        if not self.queue.empty():
-            return self.queue.get_nowait()
+        if self.pieces.pending():
+            return self.pieces.receive_nowait()
         if not self.task.done():
-            getter = asyncio.ensure_future(self.queue.get())
+            getter = asyncio.ensure_future(self.pieces.receive())
             waiting: set[asyncio.Future[Any]] = {getter, self.task}
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if getter in done:
                 return getter.result()
             getter.cancel()
-            if not self.queue.empty():
-                return self.queue.get_nowait()
+            if self.pieces.pending():
+                return self.pieces.receive_nowait()
         self.task.result()
         return None
 

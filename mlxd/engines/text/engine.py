@@ -399,7 +399,7 @@ class MLXLanguageModel:
         finished = False
         try:
             while not finished:
-                for event in await sink.queue.get():
+                for event in await sink.channel.receive():
                     yield event
                     if isinstance(event, Finish):
                         finished = True

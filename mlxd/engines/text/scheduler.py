@@ -49,6 +49,7 @@ from mlxd.generation.events import Event, TokenLogprob, TopLogprob
 from mlxd.generation.params import SamplingParams
 from mlxd.generation.pipeline import OutputPipeline
 from mlxd.models.engine import EngineStats, SchedulerStats
+from mlxd.runtime.channel import LoopChannel, send_all
 
 log = logging.getLogger(__name__)
 
@@ -72,32 +73,22 @@ class AsyncQueueSink(EventSink):
     """Events for a consumer on an asyncio event loop (the HTTP side)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self.channel: LoopChannel[list[Event]] = LoopChannel(loop)
 
     def push(self, events: list[Event]) -> None:
-        deliver([(self, events)])
-
-
-def _put_all(items: list[tuple[asyncio.Queue[list[Event]], list[Event]]]) -> None:
-    for queue, events in items:
-        queue.put_nowait(events)
+        self.channel.send(events)
 
 
 def deliver(batch: list[tuple[EventSink, list[Event]]]) -> None:
     """Hand events to their sinks: one thread hop per event loop per step, however
-    many sequences the step advanced (each hop wakes the loop and costs CPU)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+    many sequences the step advanced (``runtime/channel.py``'s ``send_all``)."""
+    to_loops: list[tuple[LoopChannel[Any], list[Event]]] = []
     for sink, events in batch:
         if isinstance(sink, AsyncQueueSink):
-            by_loop.setdefault(sink.loop, []).append((sink.queue, events))
+            to_loops.append((sink.channel, events))
         else:
             sink.push(events)
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # loop closed: its clients are long gone
-            pass
+    send_all(to_loops)
 
 
 @dataclass
