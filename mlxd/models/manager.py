@@ -85,11 +85,15 @@ class ModelLease(Generic[E]):
         self.family = family
         self._touch = touch  # release marks the model used (False: a listing's lease)
         self._released = False
+        self._engine: E | None = None
 
     @property
     def engine(self) -> E:
-        # The kind was checked against the family; the family checks the engine.
-        return self.family.narrow(self.residency.engine)
+        # The kind was checked against the family; the family checks the engine (once:
+        # a leased model is never unloaded, so its engine stays the same).
+        if self._engine is None:
+            self._engine = self.family.narrow(self.residency.engine)
+        return self._engine
 
     @property
     def name(self) -> str:
@@ -271,8 +275,7 @@ class ModelManager:
         finally:
             await lease.release()
 
-    def check_kind(self, name: str, family: Family[Any] | None,
-                   endpoint: str = "") -> None:
+    def check_kind(self, name: str, family: Family[Any] | None, endpoint: str = "") -> None:
         """Refuse, before anything is loaded (400), a model of a kind the endpoint does not
         serve (``family``; None: any kind), or one this install cannot serve."""
         res = self.get(name)
@@ -336,13 +339,12 @@ class ModelManager:
         ``family``, else None: what a listing reads a loaded model's facts through, never
         loading one nor keeping it from being idle (its ``last_used`` stays as it was)."""
         async with self._lock:
-            res: ResidencyManager | None = self.get(name)
-            if (res is None or res.kind not in family.kinds or res.state != State.LOADED
-                    or res.retired or res.draining):
-                res = None
-            else:
+            res = self.get(name)
+            loaded = (res.kind in family.kinds and res.state == State.LOADED
+                      and not res.retired and not res.draining)
+            if loaded:
                 res.leases += 1
-        if res is None:
+        if not loaded:
             yield None
             return
         lease = ModelLease(self, res, family, touch=False)
