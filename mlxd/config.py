@@ -218,7 +218,3 @@ class ServerConfig(BaseSettings):
     @property
     def prefix_cache_disk_dir(self) -> Path:
         return self.home / "prefix-cache-disk"
-
-    @property
-    def models_dir(self) -> Path:
-        return self.home / "models"

@@ -67,11 +67,6 @@ def _context_overflow(message: str, prompt_tokens: int, context: int, counted: b
                            counted=counted, param=param)
 
 
-class AuthenticationError(MlxdError):
-    status = 401
-    error_type = "authentication_error"
-
-
 class ModelNotFound(MlxdError):
     status = 404
     error_type = "not_found_error"

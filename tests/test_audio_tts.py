@@ -176,14 +176,15 @@ def test_two_requests_at_once_take_turns_sentence_by_sentence(
 
     oai.audio.speech.create(model=MODEL, voice=VOICE, input="Load.", response_format="pcm")
     engine = tts.ctx.manager.get(MODEL).engine
-    before = engine.stats()
+    before = engine.stats().counters
     texts = [" ".join(f"{w} sentence number {n}." for n in range(1, 5)) for w in
              ("First", "Second")]
     with ThreadPoolExecutor(2) as pool:
         both = list(pool.map(speak, texts))
     assert all(len(pcm) / 2 / 24_000 > 4.0 for pcm in both)
-    after = engine.stats()
-    assert after["most_concurrent"] >= 2 and after["running"] == 0, after
+    stats = engine.stats()
+    after = stats.counters
+    assert after["most_concurrent"] >= 2 and stats.running == 0, stats
     assert after["turns_between_requests"] - before["turns_between_requests"] >= 2, after
 
 

@@ -114,7 +114,7 @@ def test_a_failing_request_does_not_end_the_others(batch_server: RunningServer) 
             extra_processors=[boom] if broken else []))
         events: list = []
         while not events or not isinstance(events[-1], Finish):
-            events += await sink.queue.get()
+            events += await sink.channel.receive()
         if not broken:
             assert sum(isinstance(e, TextDelta) for e in events) > 0
         return events[-1]

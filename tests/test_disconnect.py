@@ -18,13 +18,13 @@ def test_disconnect_mid_stream_removes_the_sequence(tiny_server: RunningServer) 
             lines = r.iter_lines()
             for _ in range(5):
                 next(lines)
-            assert engine_stats()["running"] == 1
+            assert engine_stats().running == 1
     scheduler = tiny_server.ctx.manager.get("tiny").engine.scheduler
     steps_at_close = scheduler.steps
     deadline = time.monotonic() + 5
-    while engine_stats()["running"] and time.monotonic() < deadline:
+    while engine_stats().running and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine_stats()["running"] == 0
+    assert engine_stats().running == 0
     # It stopped well before its 1,900 tokens.
     assert scheduler.steps - steps_at_close < 1500
 

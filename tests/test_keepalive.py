@@ -153,9 +153,9 @@ def test_a_disconnect_during_prefill_still_cancels(long_server: RunningServer,
                 pass
             busy = engine.stats()
             gone = time.monotonic()
-    while engine.stats()["running"] + engine.stats()["waiting"] and \
+    while engine.stats().running + engine.stats().waiting and \
             time.monotonic() - gone < 2 * idle_timeout:
         time.sleep(0.01)
-    assert busy["running"] + busy["waiting"] == 1, busy  # it was being prefilled
-    assert engine.stats()["running"] + engine.stats()["waiting"] == 0
+    assert busy.running + busy.waiting == 1, busy  # it was being prefilled
+    assert engine.stats().running + engine.stats().waiting == 0
     assert long_server.ctx.manager.get("long").leases == 0

@@ -45,6 +45,18 @@ def test_a_kinds_engine_path_names_a_class_and_its_protocol_exists(kind: ModelKi
     assert isinstance(getattr(base, spec.protocol), type)
 
 
+@pytest.mark.parametrize("kind", list(ModelKind))
+def test_a_kinds_engine_class_passes_its_familys_lease_check(kind: ModelKind) -> None:
+    """A lease hands out its engine only as the family's protocol (``Family.narrow``, a
+    runtime check): every kind's engine class must pass it, or each lease would fail."""
+    spec = KINDS[kind]
+    assert spec.engine is not None
+    module, _, name = spec.engine.partition(":")
+    engine_class = getattr(importlib.import_module(module), name)
+    assert issubclass(engine_class, getattr(base, spec.protocol))
+    assert issubclass(engine_class, base.ModelEngine)
+
+
 def test_the_rerank_types_detection_accepts_are_the_ones_the_cross_encoder_loads() -> None:
     assert KINDS[ModelKind.RERANK].model_types == frozenset(SUPPORTED_MODEL_TYPES)
 

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from mlxd.config import ServerConfig
+from mlxd.engines.base import CHAT, EMBEDDING
 from mlxd.engines.factory import build_loader
 from mlxd.engines.text.prefix_cache import model_identity
 from mlxd.errors import ModelNotFound, Overloaded
@@ -457,5 +458,30 @@ def test_unload_while_the_worker_still_runs_fails_and_keeps_the_engine_counted(
         release.set()
         assert await asyncio.to_thread(old_worker.stop, 30)
         assert one - 1024 <= manager.used_bytes() <= one + 1024  # the old one has ended
+
+    run_with_manager(tiny_model, tmp_path / "home", scenario)
+
+
+# -- a listing's lease (issue 28: voices and templates read through a lease) ----------
+
+
+def test_a_listing_lease_never_loads_and_leaves_the_idle_clock_alone(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """``lease_if_loaded``: None while the model is not loaded (and nothing loads), a real
+    lease while it is (it holds off an unload), released without counting as use, and
+    None for a family the model is not of."""
+    async def scenario(manager: ModelManager, loader: GatedLoader) -> None:
+        res = manager.get("a")
+        async with manager.lease_if_loaded("a", CHAT) as lease:
+            assert lease is None
+        assert res.state == State.UNLOADED and res.loads == 0
+        await manager.load("a")
+        used = res.last_used
+        async with manager.lease_if_loaded("a", CHAT) as lease:
+            assert lease is not None and res.leases == 1
+            assert lease.engine.facts().context_length
+        assert res.leases == 0 and res.last_used == used
+        async with manager.lease_if_loaded("a", EMBEDDING) as lease:
+            assert lease is None
 
     run_with_manager(tiny_model, tmp_path / "home", scenario)

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from openai import OpenAI
 
+from mlxd.config import ServerConfig
 from tests.helpers.scripted_engine import ScriptedLoader, scripted_server
-from tests.helpers.server import RunningServer
+from tests.helpers.server import RunningServer, running_server
 
 CONTEXT = 700  # more than the old default of 512 output tokens
 LONG = " ".join(f"w{i}" for i in range(2000))  # far more tokens than the context holds
@@ -144,3 +146,25 @@ def test_server_max_tokens_is_the_default_when_set(agent_model: Path, test_home:
             # a request's own limit still wins, capped to the context
             _, prompt, completion_tokens = call(oai, **{field: 100_000})
             assert prompt + completion_tokens == CONTEXT, api
+
+
+def test_a_registry_default_is_the_default_for_every_api(agent_model: Path, test_home: Path,
+                                                         tmp_path: Path) -> None:
+    """A model's ``defaults.max_tokens`` bounds a request that gives no limit, on every
+    API (OpenAI chat, completions, Responses, Ollama), ahead of ``--max-tokens``: the
+    request policy fills it in once (``server/request_policy.py``)."""
+    registry = tmp_path / "models.yaml"
+    registry.write_text(f"models:\n  - name: {MODEL}\n    source: {agent_model}\n"
+                        "    kind: text\n    defaults: {max_tokens: 6}\n")
+    cfg = ServerConfig(models_config=registry, home=test_home, no_starter=True,
+                       max_context=CONTEXT, max_tokens=9, enable_prefix_cache_persist=False)
+    loader = ScriptedLoader(cfg)
+    loader.reply = LONG
+    with running_server(cfg, loader=loader) as srv:
+        oai = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        for api, (call, _, length) in OPENAI_APIS.items():
+            assert call(oai)[::2] == (length, 6), api
+        r = httpx.post(srv.url + "/api/chat", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "go"}], "stream": False})
+        assert r.status_code == 200, r.text
+        assert (r.json()["done_reason"], r.json()["eval_count"]) == ("length", 6)

@@ -286,7 +286,7 @@ def test_too_many_tokens_is_400_before_any_forward_pass(strict_server: RunningSe
         err = assert_openai_error(r, 400, "at most 60", param="documents")
         assert err["code"] == "too_many_tokens"
         engine = strict_server.ctx.manager.get("tiny-xlmr").engine
-        assert engine.stats()["rows"] == 0  # nothing but the warm-up ran
+        assert engine.stats().counters["rows"] == 0  # nothing but the warm-up ran
         ok = c.post("/v1/rerank", json={"model": "tiny-xlmr", "query": "rivers",
                                         "documents": ["short one"]})
-        assert ok.status_code == 200 and engine.stats()["rows"] == 1
+        assert ok.status_code == 200 and engine.stats().counters["rows"] == 1

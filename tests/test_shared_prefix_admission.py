@@ -72,7 +72,7 @@ def _run_together(engine: Any, requests: list[GenerationRequest]) -> list[tuple[
         for sink in sinks:
             events: list[Any] = []
             while not events or not isinstance(events[-1], Finish):
-                events += await sink.queue.get()
+                events += await sink.channel.receive()
             out.append(("".join(e.text for e in events if isinstance(e, TextDelta)), events[-1]))
         return out
 

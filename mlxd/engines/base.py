@@ -6,6 +6,10 @@ the family's protocol, never to one engine's attributes. Which engine class
 serves which kind is each kind's ``KindSpec`` (``models/kinds.py``), read by
 ``engines/registry.py``.
 
+The lifecycle every engine shares (``ModelEngine``, with its typed ``EngineFacts``
+and ``EngineStats``) lives in ``models/engine.py``, below this layer, so the model
+manager holds engines by type too; it is re-exported here.
+
 Nothing here imports MLX or an engine module (the HTTP layer imports this
 file); the value types the protocols name are imported for type checking only.
 """
@@ -14,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard, runtime_checkable
 
+from mlxd.models.engine import EngineFacts as EngineFacts  # re-exported
+from mlxd.models.engine import EngineStats as EngineStats
+from mlxd.models.engine import ModelEngine as ModelEngine
+from mlxd.models.engine import Voice as Voice
 from mlxd.models.spec import (
     CHAT_KINDS,
     EMBEDDING_KINDS,
@@ -35,31 +43,9 @@ if TYPE_CHECKING:
     from mlxd.generation.params import GenerationRequest
 
 
-class ModelEngine(Protocol):
-    """A loaded model of any family. ``load`` and ``close`` run on its worker thread.
-
-    An engine may also define ``persist_state() -> int`` (run before unload, e.g.
-    to save the prefix cache); the residency manager calls it when present.
-    """
-
-    def load(self) -> None:
-        """Load weights; raise ``ModelLoadError`` with a clear reason on failure."""
-
-    def close(self) -> None:
-        """Stop work and release memory. Safe to call twice."""
-
-    def memory_bytes(self) -> int:
-        """Bytes this model holds now (weights, caches, buffers)."""
-
-    def describe(self) -> dict[str, Any]:
-        """Facts for ``/v1/models`` (e.g. context length, batching mode)."""
-
-    def stats(self) -> dict[str, Any]:
-        """Live counters for ``/metrics`` (running, waiting, cache hits...)."""
-
-
 # -- text generation (text and vision-language models) -------------------------
 
+@runtime_checkable
 class TextGenerator(ModelEngine, Protocol):
     """Chat and completion models: prepare a request once, then generate from it."""
 
@@ -117,6 +103,7 @@ class Tokenized:
 
 # -- embeddings and reranking ---------------------------------------------------
 
+@runtime_checkable
 class Embedder(ModelEngine, Protocol):
     """Embedding models: tokenise (and check) inputs, then embed them in shared batches."""
 
@@ -130,6 +117,7 @@ class Embedder(ModelEngine, Protocol):
         """One vector per input (rows of a float32 matrix), cut to ``dimensions``."""
 
 
+@runtime_checkable
 class Reranker(ModelEngine, Protocol):
     """Cross-encoders: score each (query, document) pair."""
 
@@ -203,6 +191,7 @@ class Transcription:
     language_name: str | None = None  # "english" for "en" (verbose_json's field)
 
 
+@runtime_checkable
 class Transcriber(ModelEngine, Protocol):
     """Speech-to-text models. The server decodes the upload and checks its limits
     (``media/audio_decode.py``) before it leases the model."""
@@ -228,13 +217,6 @@ class SpeechRequest:
 
 
 @dataclass(frozen=True)
-class Voice:
-    id: str  # what ``SpeechRequest.voice`` names
-    name: str
-    language: str | None = None
-
-
-@dataclass(frozen=True)
 class AudioChunk:
     """Synthesised audio as it is produced; the route encodes ``response_format``."""
 
@@ -242,11 +224,9 @@ class AudioChunk:
     sample_rate: int
 
 
+@runtime_checkable
 class SpeechSynthesizer(ModelEngine, Protocol):
     """Text-to-speech models."""
-
-    def voices(self) -> list[Voice]:
-        """The voices this model speaks with."""
 
     def synthesize(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]:
         """Stream the speech; closing the iterator cancels it."""
@@ -254,9 +234,29 @@ class SpeechSynthesizer(ModelEngine, Protocol):
 
 # -- what each endpoint family leases -------------------------------------------
 
-CHAT: Family[TextGenerator] = Family("chat", CHAT_KINDS)
-COMPLETION: Family[TextGenerator] = Family("completion", frozenset({ModelKind.TEXT}))
-EMBEDDING: Family[Embedder] = Family("embedding", EMBEDDING_KINDS)
-RERANK: Family[Reranker] = Family("rerank", RERANK_KINDS)
-TRANSCRIPTION: Family[Transcriber] = Family("transcription", STT_KINDS)
-SPEECH: Family[SpeechSynthesizer] = Family("speech", TTS_KINDS)
+def _text(engine: object) -> TypeGuard[TextGenerator]:
+    return isinstance(engine, TextGenerator)
+
+
+def _embedder(engine: object) -> TypeGuard[Embedder]:
+    return isinstance(engine, Embedder)
+
+
+def _reranker(engine: object) -> TypeGuard[Reranker]:
+    return isinstance(engine, Reranker)
+
+
+def _transcriber(engine: object) -> TypeGuard[Transcriber]:
+    return isinstance(engine, Transcriber)
+
+
+def _synthesizer(engine: object) -> TypeGuard[SpeechSynthesizer]:
+    return isinstance(engine, SpeechSynthesizer)
+
+
+CHAT: Family[TextGenerator] = Family("chat", CHAT_KINDS, _text)
+COMPLETION: Family[TextGenerator] = Family("completion", frozenset({ModelKind.TEXT}), _text)
+EMBEDDING: Family[Embedder] = Family("embedding", EMBEDDING_KINDS, _embedder)
+RERANK: Family[Reranker] = Family("rerank", RERANK_KINDS, _reranker)
+TRANSCRIPTION: Family[Transcriber] = Family("transcription", STT_KINDS, _transcriber)
+SPEECH: Family[SpeechSynthesizer] = Family("speech", TTS_KINDS, _synthesizer)

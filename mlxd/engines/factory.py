@@ -55,7 +55,6 @@ class EngineFactory:
             prefill_step_size=cfg.prefill_step_size,
             prefix_cache_bytes=prefix_cache_bytes(cfg, self.budget_bytes),
             batching=cfg.batching, max_context=d.max_context or cfg.max_context,
-            default_max_tokens=d.max_tokens or cfg.max_tokens,
             kv_output_estimate=cfg.kv_output_estimate,
             reasoning_parser=entry.reasoning_parser or cfg.reasoning_parser,
             tool_call_parser=entry.tool_call_parser or cfg.tool_call_parser,

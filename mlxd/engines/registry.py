@@ -19,18 +19,12 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 from mlxd.errors import ModelLoadError
+from mlxd.models.kinds import EXTRA_MODULES as EXTRA_MODULES  # re-exported
 from mlxd.models.kinds import KINDS
 from mlxd.models.spec import ModelKind
 
 if TYPE_CHECKING:
-    from mlxd.engines.base import (
-        Embedder,
-        ModelEngine,
-        Reranker,
-        SpeechSynthesizer,
-        TextGenerator,
-        Transcriber,
-    )
+    from mlxd.engines.base import ModelEngine
     from mlxd.runtime.worker import ModelWorker
 
 
@@ -52,32 +46,10 @@ class EngineSpec:
     options: Literal["text", "server"] = "server"
 
 
-# The importable top-level modules each extra installs (pyproject.toml's extras).
-EXTRA_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "embeddings": ("mlx_embeddings", "transformers"),
-    "vision": ("mlx_vlm", "PIL"),
-    "audio": ("mlx_whisper", "mlx_audio", "av", "onnxruntime"),
-})
 
 # Each kind's engine, extra and options come from its KindSpec (models/kinds.py).
 ENGINES: Mapping[ModelKind, EngineSpec] = MappingProxyType({
     kind: EngineSpec(spec.engine, spec.extra, spec.options) for kind, spec in KINDS.items()})
-
-if TYPE_CHECKING:
-    # mypy proves each engine class implements its family's protocol.
-    from mlxd.engines.audio.stt import STTEngine
-    from mlxd.engines.audio.tts import TTSEngine
-    from mlxd.engines.encoders.embeddings import EmbeddingEngine
-    from mlxd.engines.encoders.rerank import RerankEngine
-    from mlxd.engines.text.engine import MLXLanguageModel
-    from mlxd.engines.vision.engine import MLXMultimodalLM
-
-    _text: type[TextGenerator] = MLXLanguageModel
-    _embedding: type[Embedder] = EmbeddingEngine
-    _rerank: type[Reranker] = RerankEngine
-    _vision: type[TextGenerator] = MLXMultimodalLM
-    _tts: type[SpeechSynthesizer] = TTSEngine
-    _stt: type[Transcriber] = STTEngine
 
 ModuleProbe = Callable[[str], bool]
 

@@ -2,7 +2,8 @@
 
 - No limit in the request (Codex never sends ``max_output_tokens``): the
   server's default when one is configured (``--max-tokens``, or a registry
-  entry's ``defaults.max_tokens``), else the rest of the context.
+  entry's ``defaults.max_tokens``; filled in once by ``server/request_policy.py``
+  before the engine sees the request), else the rest of the context.
 - A limit larger than the room the prompt leaves is capped to that room, as
   llama-server and vLLM-style local servers do; generation then ends at the
   end of the context (``finish_reason: length``, Responses ``incomplete``,
@@ -24,11 +25,10 @@ class OutputLimit:
     context_limited: bool
 
 
-def output_limit(context_length: int, prompt_tokens: int, requested: int | None,
-                 default: int | None) -> OutputLimit:
-    """The limit for a prompt of ``prompt_tokens`` that fits the context (checked before)."""
+def output_limit(context_length: int, prompt_tokens: int, requested: int | None) -> OutputLimit:
+    """The limit for a prompt of ``prompt_tokens`` that fits the context (checked before);
+    ``requested`` None: the rest of the context."""
     room = context_length - prompt_tokens
-    wanted = requested if requested is not None else default
-    if wanted is None or wanted > room:
+    if requested is None or requested > room:
         return OutputLimit(room, context_limited=True)
-    return OutputLimit(wanted, context_limited=False)
+    return OutputLimit(requested, context_limited=False)

@@ -36,6 +36,14 @@ class KindSpec:
     activation_reserve: float = 0.25  # of the weights, when no closer estimate applies
 
 
+# The importable top-level modules each extra installs (pyproject.toml's extras): the
+# engine registry probes them (``find_spec``, never imported) before it serves a kind.
+EXTRA_MODULES: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "embeddings": ("mlx_embeddings", "transformers"),
+    "vision": ("mlx_vlm", "PIL"),
+    "audio": ("mlx_whisper", "mlx_audio", "av", "onnxruntime"),
+})
+
 # Cross-encoders ``engines/encoders/cross_encoder.py`` computes (its SUPPORTED_MODEL_TYPES).
 RERANK_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "xlm_roberta", "camembert"})
 

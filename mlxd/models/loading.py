@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
+from mlxd.models.engine import ModelEngine
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.runtime.worker import ModelWorker
 from mlxd.sources.resolve import ProgressFn, resolve_source
@@ -21,7 +22,7 @@ from mlxd.sources.resolve import ProgressFn, resolve_source
 # name -> progress callback for that model's download / conversion (None: no progress)
 ProgressFactory = Callable[[str], ProgressFn | None]
 # (entry, kind, local folder, worker) -> loaded engine
-EngineBuilder = Callable[[ModelEntry, ModelKind, Path, ModelWorker], Any]
+EngineBuilder = Callable[[ModelEntry, ModelKind, Path, ModelWorker], ModelEngine]
 
 
 class Loader(Protocol):
@@ -31,7 +32,7 @@ class Loader(Protocol):
         """A local folder holding the entry's files (downloaded / converted if needed)."""
         ...
 
-    def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
+    def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> ModelEngine:
         """Construct and load the kind's engine from ``path``."""
         ...
 
@@ -67,6 +68,6 @@ class ModelLoader:
         """The entry's local folder (blocking: may download or convert)."""
         return self._resolve(entry)
 
-    def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> Any:
+    def build(self, entry: ModelEntry, kind: ModelKind, path: Path, worker: ModelWorker) -> ModelEngine:
         """The loaded engine for ``path`` (blocking)."""
         return self._build(entry, kind, path, worker)

@@ -19,9 +19,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, cast, overload
+from typing import Any, Generic, Protocol, TypeGuard, TypeVar, overload
 
 from mlxd.errors import Conflict, InsufficientStorage, InvalidRequest, ModelNotFound, Overloaded
+from mlxd.models.engine import ModelEngine
 from mlxd.models.memory import format_bytes
 from mlxd.models.residency import Loader, ResidencyManager, State
 from mlxd.models.spec import (
@@ -37,6 +38,14 @@ from mlxd.runtime.worker import WorkerThreads
 log = logging.getLogger(__name__)
 
 E = TypeVar("E")
+
+
+def _any_engine(engine: object) -> TypeGuard[ModelEngine]:
+    return isinstance(engine, ModelEngine)
+
+
+# What an admin load leases: any kind, as the lifecycle every engine shares.
+ANY_FAMILY: Family[ModelEngine] = Family("any", frozenset(ModelKind), _any_engine)
 
 # kind -> why this install cannot serve it (None: it can). The engine registry
 # answers it; the manager only asks, so a refusal comes before any load.
@@ -66,19 +75,25 @@ class ModelLease(Generic[E]):
     """Holds one model loaded and un-evictable while a request uses it.
 
     ``E`` is the engine protocol of the family it was leased for
-    (``ModelLease[TextGenerator]``); an admin lease is ``ModelLease[Any]``.
+    (``ModelLease[TextGenerator]``); an admin lease is ``ModelLease[ModelEngine]``.
     """
 
-    def __init__(self, manager: ModelManager, residency: ResidencyManager) -> None:
+    def __init__(self, manager: ModelManager, residency: ResidencyManager,
+                 family: Family[E], touch: bool = True) -> None:
         self._manager = manager
         self.residency = residency
+        self.family = family
+        self._touch = touch  # release marks the model used (False: a listing's lease)
         self._released = False
+        self._engine: E | None = None
 
     @property
     def engine(self) -> E:
-        # The kind was checked against the family, and the registry maps each kind
-        # to an engine implementing that family's protocol (checked by mypy there).
-        return cast(E, self.residency.engine)
+        # The kind was checked against the family; the family checks the engine (once:
+        # a leased model is never unloaded, so its engine stays the same).
+        if self._engine is None:
+            self._engine = self.family.narrow(self.residency.engine)
+        return self._engine
 
     @property
     def name(self) -> str:
@@ -91,7 +106,7 @@ class ModelLease(Generic[E]):
     async def release(self) -> None:
         if not self._released:
             self._released = True
-            await self._manager._release(self.residency)
+            await self._manager._release(self.residency, self._touch)
 
 
 @dataclass
@@ -301,7 +316,7 @@ class ModelManager:
         return self._servable(kind) if self._servable is not None else None
 
     @overload
-    async def acquire(self, name: str) -> ModelLease[Any]: ...
+    async def acquire(self, name: str) -> ModelLease[ModelEngine]: ...
 
     @overload
     async def acquire(self, name: str, family: Family[E], endpoint: str = "") -> ModelLease[E]: ...
@@ -310,6 +325,7 @@ class ModelManager:
                       endpoint: str = "") -> ModelLease[Any]:
         """Lease ``name`` for ``family`` (None: any kind, for admin loads), loading it if
         needed; every refusal that needs no load comes first."""
+        family = family if family is not None else ANY_FAMILY
         self.check_kind(name, family, endpoint)
         if self._observer is not None:
             self._observer.requested(self.get(name).name)
@@ -334,12 +350,34 @@ class ModelManager:
             await self._release(res)
             raise
         res.last_used = time.monotonic()
-        return ModelLease(self, res)
+        return ModelLease(self, res, family)
 
-    async def _release(self, res: ResidencyManager) -> None:
+    @contextlib.asynccontextmanager
+    async def lease_if_loaded(self, name: str,
+                              family: Family[E]) -> AsyncIterator[ModelLease[E] | None]:
+        """A lease on ``name`` while the block runs if it is loaded now as a model of
+        ``family``, else None: what a listing reads a loaded model's facts through, never
+        loading one nor keeping it from being idle (its ``last_used`` stays as it was)."""
+        async with self._lock:
+            res = self.get(name)
+            loaded = (res.kind in family.kinds and res.state == State.LOADED
+                      and not res.retired and not res.draining)
+            if loaded:
+                res.leases += 1
+        if not loaded:
+            yield None
+            return
+        lease = ModelLease(self, res, family, touch=False)
+        try:
+            yield lease
+        finally:
+            await lease.release()
+
+    async def _release(self, res: ResidencyManager, touch: bool = True) -> None:
         async with self._lock:
             res.leases = max(0, res.leases - 1)
-            res.last_used = time.monotonic()
+            if touch:
+                res.last_used = time.monotonic()
             self._changed.notify_all()
 
     async def _notify(self) -> None:

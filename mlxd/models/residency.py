@@ -22,9 +22,9 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from enum import Enum
-from typing import Any
 
 from mlxd.errors import MlxdError, ModelLoadError, Overloaded
+from mlxd.models.engine import EngineFacts, EngineStats, ModelEngine
 from mlxd.models.loading import Loader
 from mlxd.models.spec import ModelEntry, ModelKind
 from mlxd.runtime.worker import ModelWorker, WorkerThreads
@@ -49,7 +49,7 @@ class State(str, Enum):
 class LoadedModel:
     """What a load produces: the engine and the worker thread it lives on."""
 
-    def __init__(self, engine: Any, worker: ModelWorker) -> None:
+    def __init__(self, engine: ModelEngine, worker: ModelWorker) -> None:
         self.engine = engine
         self.worker = worker
 
@@ -78,7 +78,7 @@ class _LoadJob:
         with self._lock:
             self._abandoned = True
 
-    def __call__(self, entry: ModelEntry, kind: ModelKind, worker: ModelWorker) -> Any:
+    def __call__(self, entry: ModelEntry, kind: ModelKind, worker: ModelWorker) -> ModelEngine:
         path = self._loader.resolve(entry)
         with self._lock:
             abandoned = self._abandoned
@@ -148,7 +148,7 @@ class ResidencyManager:
         return self.entry.name
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> ModelEngine | None:
         return self.loaded.engine if self.loaded else None
 
     @property
@@ -198,6 +198,28 @@ class ResidencyManager:
         if self.state != State.LOADED or loaded is None:
             return None
         return loaded.worker.fault()
+
+    def facts(self) -> EngineFacts | None:
+        """The loaded engine's facts (None while not loaded, or when the engine cannot say
+        because it is being unloaded under the caller)."""
+        loaded = self.loaded
+        if self.state != State.LOADED or loaded is None:
+            return None
+        try:
+            return loaded.engine.facts()
+        except Exception:
+            return None
+
+    def stats(self) -> EngineStats | None:
+        """The loaded engine's live counters (None while not loaded, or when the engine
+        cannot say because it is being unloaded under the caller)."""
+        loaded = self.loaded
+        if self.state != State.LOADED or loaded is None:
+            return None
+        try:
+            return loaded.engine.stats()
+        except Exception:
+            return None
 
     def worker_dead(self) -> bool:
         loaded = self.loaded
@@ -321,12 +343,10 @@ class ResidencyManager:
         await self.unload()
 
     async def _persist(self, loaded: LoadedModel) -> None:
-        persist = getattr(loaded.engine, "persist_state", None)
-        if persist is not None:
-            try:
-                await loaded.worker.run(persist)
-            except Exception:
-                log.exception("model %s: persisting state before unload failed", self.name)
+        try:
+            await loaded.worker.run(loaded.engine.persist_state)
+        except Exception:
+            log.exception("model %s: persisting state before unload failed", self.name)
 
     async def _unload(self, loaded: LoadedModel) -> None:
         await self._notify()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeGuard, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -39,13 +40,22 @@ class Family(Generic[E]):
     """What an endpoint asks the manager for: the model kinds it serves, typed by the
     engine protocol ``E`` those kinds implement (``engines/base.py`` defines them).
 
-    ``E`` exists only for the type checker: ``manager.acquire(name, family)`` returns
-    a ``ModelLease[E]``, so a route can call only its family's protocol. The manager
-    itself never looks at engines (``models/`` sits below ``engines/``).
+    ``manager.acquire(name, family)`` returns a ``ModelLease[E]``, so a route can call
+    only its family's protocol. ``admits`` is the runtime check that makes it so: the
+    lease hands out its engine only as an ``E`` (the kind check comes first, so it fails
+    only for an engine that breaks its kind's protocol).
     """
 
     name: str
     kinds: frozenset[ModelKind]
+    admits: Callable[[object], TypeGuard[E]]
+
+    def narrow(self, engine: object) -> E:
+        """``engine`` as this family's protocol; TypeError when it does not implement it."""
+        if self.admits(engine):
+            return engine
+        raise TypeError(f"{type(engine).__name__} does not implement the {self.name} "
+                        "engine protocol")
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

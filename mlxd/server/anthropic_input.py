@@ -35,7 +35,7 @@ from mlxd.protocol.anthropic import (
 )
 from mlxd.protocol.anthropic import ToolChoice as AnthropicToolChoice
 from mlxd.server.anthropic_cache import cache_marks
-from mlxd.server.text_session import sampling_params
+from mlxd.server.request_policy import sampling_params
 from mlxd.server.tool_checks import (
     check_json_schema,
     check_tool_results,

@@ -35,6 +35,11 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                  503: "overloaded_error", 507: "insufficient_storage", 500: "server_error"}
 
 
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error ``type`` for an HTTP status."""
+    return _ANTHROPIC_TYPES.get(status, "api_error")
+
+
 def is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages")
 
@@ -50,7 +55,7 @@ def error_body(request: Request, status: int, message: str, *, error_type: str |
         return {"error": message}
     if is_anthropic(request):
         return {"type": "error",
-                "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+                "error": {"type": anthropic_error_type(status), "message": message}}
     return {"error": {"message": message,
                       "type": error_type or _OPENAI_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}

@@ -44,7 +44,7 @@ from mlxd.protocol.responses import (
     RefusalPart,
     ResponsesRequest,
 )
-from mlxd.server.text_session import pick, sampling_params, stop_list
+from mlxd.server.request_policy import sampling_params, stop_list
 from mlxd.server.tool_checks import (
     check_json_schema,
     check_tool_results,
@@ -312,7 +312,7 @@ def generation_request(req: ResponsesRequest, defaults: ServingDefaults,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, repetition_penalty=req.repetition_penalty, presence_penalty=None,
             frequency_penalty=None, logit_bias=None, defaults=defaults),
-        max_tokens=pick(req.max_output_tokens, defaults.max_tokens),
+        max_tokens=req.max_output_tokens,
         stop=stop_list(req.stop), tools=tools, tool_choice=tool_choice(req, table),
         constraint=constraint(req), chat_template_kwargs=template_kwargs(req, defaults),
         cache_key=req.prompt_cache_key)

@@ -21,9 +21,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from mlxd.engines.base import Transcriber, Transcription, TranscriptionRequest
-from mlxd.errors import MlxdError
 from mlxd.models.manager import ModelLease
+from mlxd.runtime.channel import LoopChannel
 from mlxd.server.disconnect import unless_disconnected
+from mlxd.server.leased_stream import StreamError, leased_stream
 from mlxd.server.sse import SSE_HEADERS, sse_data
 from mlxd.server.transcript_formats import usage
 
@@ -34,14 +35,9 @@ class _Pieces:
     """Text pieces from the worker thread, and the job that makes them."""
 
     def __init__(self, engine: Transcriber, job: TranscriptionRequest) -> None:
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[str] = asyncio.Queue()
-
-        def on_text(text: str) -> None:  # on the worker thread
-            loop.call_soon_threadsafe(self.queue.put_nowait, text)
-
+        self.pieces: LoopChannel[str] = LoopChannel()  # sent from the worker thread
         self.task: asyncio.Future[Transcription] = asyncio.ensure_future(
-            engine.transcribe(job, on_text))
+            engine.transcribe(job, self.pieces.send))
         # A client that left before the end: the job's outcome is still retrieved.
         self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -54,10 +50,10 @@ class _Pieces:
 
     async def next(self) -> str | None:
         """The next piece, or None once the job has ended (raising its error, if any)."""
-        if not self.queue.empty():
-            return self.queue.get_nowait()
+        if self.pieces.pending():
+            return self.pieces.receive_nowait()
         if not self.task.done():
-            getter = asyncio.ensure_future(self.queue.get())
+            getter = asyncio.ensure_future(self.pieces.receive())
             waiting: set[asyncio.Future[Any]] = {getter, self.task}
             try:
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
@@ -66,8 +62,8 @@ class _Pieces:
                     getter.cancel()
             if getter in done:
                 return getter.result()
-            if not self.queue.empty():
-                return self.queue.get_nowait()
+            if self.pieces.pending():
+                return self.pieces.receive_nowait()
         self.task.result()
         return None
 
@@ -76,31 +72,26 @@ def _delta(text: str) -> str:
     return sse_data({"type": "transcript.text.delta", "delta": text})
 
 
-async def _events(first: str | None, pieces: _Pieces, lease: ModelLease[Transcriber],
-                  on_close: OnClose) -> AsyncIterator[str]:
+async def _events(first: str | None, pieces: _Pieces) -> AsyncIterator[str]:
     sent = ""
-    try:
-        piece = first
-        while piece is not None:
-            delta = piece if sent else piece.lstrip()
-            if delta:
-                sent += delta
-                yield _delta(delta)
-            piece = await pieces.next()
-        transcript = pieces.task.result()
-        if transcript.text.startswith(sent) and len(transcript.text) > len(sent):
-            rest = transcript.text[len(sent):]
-            sent += rest
-            yield _delta(rest)
-        yield sse_data({"type": "transcript.text.done", "text": sent,
-                        "usage": usage(transcript)})
-    except MlxdError as e:
-        yield sse_data({"type": "error", "error": {"message": e.message, "type": e.error_type,
-                                                   "param": e.param, "code": e.code}})
-    finally:
-        await pieces.stop()  # a client that left: the job stops before its next window
-        await lease.release()
-        await on_close()
+    piece = first
+    while piece is not None:
+        delta = piece if sent else piece.lstrip()
+        if delta:
+            sent += delta
+            yield _delta(delta)
+        piece = await pieces.next()
+    transcript = pieces.task.result()
+    if transcript.text.startswith(sent) and len(transcript.text) > len(sent):
+        rest = transcript.text[len(sent):]
+        sent += rest
+        yield _delta(rest)
+    yield sse_data({"type": "transcript.text.done", "text": sent, "usage": usage(transcript)})
+
+
+def _error(error: StreamError) -> str:
+    return sse_data({"type": "error", "error": {"message": error.message, "type": error.type,
+                                                "param": error.param, "code": error.code}})
 
 
 async def _nothing() -> None:
@@ -114,15 +105,19 @@ async def stream_transcription(request: Request, lease: ModelLease[Transcriber],
     first piece, or ``ClientDisconnect`` if the client leaves first (a recording that
     gives no text for minutes gives no piece). Takes ownership of ``lease``;
     ``on_close`` runs once the stream ends (or fails to start)."""
-    pieces = None
+    pieces: _Pieces | None = None
+
+    async def release() -> None:
+        if pieces is not None:
+            await pieces.stop()  # a client that left: the job stops before its next window
+        await lease.release()
+        await on_close()
+
     try:
         pieces = _Pieces(lease.engine, job)
         first = await unless_disconnected(request, pieces.next())
     except BaseException:
-        if pieces is not None:
-            await pieces.stop()
-        await lease.release()
-        await on_close()
+        await release()
         raise
-    body: Any = _events(first, pieces, lease, on_close)
+    body: Any = leased_stream(_events(first, pieces), release, _error, "transcription failed")
     return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -57,6 +57,7 @@ from mlxd.engines.base import (
 )
 from mlxd.engines.device import device_name, weights_nbytes
 from mlxd.errors import InvalidRequest, ModelLoadError
+from mlxd.models.engine import EngineFacts, EngineStats
 from mlxd.runtime.worker import CancelToken, ModelWorker
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,10 @@ class STTEngine:
                 "multilingual": bool(self.model.is_multilingual) if whisper else None,
                 "n_mels": self.model.dims.n_mels if whisper else None}
 
-    def stats(self) -> dict[str, Any]:
+    def facts(self) -> EngineFacts:
+        return EngineFacts(sample_rate=16_000, card=self.describe())
+
+    def stats(self) -> EngineStats:
         """Requests and audio seconds; with a Whisper model, its shared batches
         (``shared_batches``: batches that held windows of more than one upload)."""
         with self._lock:
@@ -143,7 +147,10 @@ class STTEngine:
             batches = self._batcher.stats()
             counts["busy_seconds"] += batches.pop("batch_seconds")
             counts.update(batches)
-        return counts
+        return EngineStats(running=int(counts["running"]), counters=counts)
+
+    def persist_state(self) -> int:
+        return 0  # nothing outlives an unload
 
     # -- requests ------------------------------------------------------------------------
     async def transcribe(self, request: TranscriptionRequest,
@@ -238,3 +245,9 @@ def to_transcription(result: dict[str, Any], duration: float) -> Transcription:
 
 def _float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import Transcriber
+
+    _implements: type[Transcriber] = STTEngine

@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from mlxd.engines.audio.speech_backend import SpeechBackend
 from mlxd.engines.base import AudioChunk, SpeechRequest, Voice
 from mlxd.errors import ModelLoadError
 from mlxd.media.phonemes import split_sentences
+from mlxd.models.engine import EngineFacts, EngineStats
 from mlxd.models.voices import VoiceFile, check_speed, check_voice, piper_config_path
 from mlxd.runtime.worker import ModelWorker
 
@@ -101,12 +102,19 @@ class TTSEngine:
         return {"sample_rate": backend.sample_rate, "voices": [v.id for v in self._voices],
                 **backend.describe()}
 
-    def stats(self) -> dict[str, Any]:
+    def facts(self) -> EngineFacts:
+        return EngineFacts(sample_rate=self._loaded().sample_rate, voices=tuple(self.voices()),
+                           card=self.describe())
+
+    def stats(self) -> EngineStats:
         rtf = self._synth_seconds / self._audio_seconds if self._audio_seconds else 0.0
-        return {"requests": self._requests, "sentences": self._sentences,
-                "audio_seconds": round(self._audio_seconds, 3), "real_time_factor": round(rtf, 4),
-                "running": self._in_flight, "most_concurrent": self._most_in_flight,
-                "turns_between_requests": self._turns}
+        return EngineStats(running=self._in_flight, counters={
+            "requests": self._requests, "sentences": self._sentences,
+            "audio_seconds": round(self._audio_seconds, 3), "real_time_factor": round(rtf, 4),
+            "most_concurrent": self._most_in_flight, "turns_between_requests": self._turns})
+
+    def persist_state(self) -> int:
+        return 0  # nothing outlives an unload
 
     def voices(self) -> list[Voice]:
         return [Voice(id=v.id, name=v.name, language=v.language) for v in self._voices]
@@ -140,3 +148,9 @@ class TTSEngine:
                                      sample_rate=backend.sample_rate)
         finally:
             self._in_flight -= 1
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import SpeechSynthesizer
+
+    _implements: type[SpeechSynthesizer] = TTSEngine

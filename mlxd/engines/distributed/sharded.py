@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -40,6 +41,7 @@ from mlxd.engines.text.sampling import greedy
 from mlxd.engines.text.scheduler import BatchScheduler, SchedulerBase
 from mlxd.errors import ModelLoadError, Overloaded
 from mlxd.generation.events import Event
+from mlxd.models.engine import EngineStats, GroupStats, RankMemory
 from mlxd.runtime.distributed import GroupOptions
 from mlxd.runtime.distributed_link import GroupBroken, GroupLink
 
@@ -320,10 +322,15 @@ class ShardedLanguageModel(MLXLanguageModel):
                 "healthy": link is not None and link.failed is None,
                 "error": link.failed if link else None, "ranks": ranks}
 
-    def stats(self) -> dict[str, Any]:
-        out = super().stats()
-        out["group"] = self.group_info()
-        return out
+    def stats(self) -> EngineStats:
+        link = self.link
+        ranks = [RankMemory(0, self.memory_bytes())]
+        ranks += [RankMemory(r["rank"], r["memory_bytes"]) for r in (link.info() if link else [])]
+        group = GroupStats(size=self.group.size() if self.group else 0,
+                           backend=self.group_options.backend, split=self.mode,
+                           healthy=link is not None and link.failed is None,
+                           error=link.failed if link else None, ranks=tuple(ranks))
+        return replace(super().stats(), group=group)
 
     def close(self) -> None:
         link = self.link

@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -266,3 +266,9 @@ class EmbeddingEngine(BatchedEncoder):
         if dimensions is not None and dimensions < vectors.shape[-1]:
             vectors = truncate_dimensions(vectors, dimensions, self.settings.normalize)
         return vectors
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import Embedder
+
+    _implements: type[Embedder] = EmbeddingEngine

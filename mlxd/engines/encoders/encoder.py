@@ -16,6 +16,7 @@ from mlxd.config import ServerConfig
 from mlxd.engines.device import device_name, weights_nbytes
 from mlxd.engines.encoders.token_batcher import BatchForward, Encoded, TokenBatcher, padding_policy
 from mlxd.errors import InvalidRequest
+from mlxd.models.engine import EngineFacts, EngineStats
 from mlxd.runtime.worker import ModelWorker
 
 
@@ -65,5 +66,15 @@ class BatchedEncoder:
     def memory_bytes(self) -> int:
         return self._weights_bytes
 
-    def stats(self) -> dict[str, Any]:
-        return self.batcher.stats() if self.batcher else {}
+    def describe(self) -> dict[str, Any]:
+        """What ``/v1/models`` shows of this model."""
+        raise NotImplementedError
+
+    def facts(self) -> EngineFacts:
+        return EngineFacts(card=self.describe())
+
+    def stats(self) -> EngineStats:
+        return EngineStats(counters=self.batcher.stats() if self.batcher else {})
+
+    def persist_state(self) -> int:
+        return 0  # nothing outlives an unload

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -145,3 +145,9 @@ class RerankEngine(BatchedEncoder):
     async def score(self, encoded: list[Encoded]) -> np.ndarray:
         """Relevance scores in [0, 1], one per pair, in order."""
         return relevance_scores(await self.logits(encoded))
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import Reranker
+
+    _implements: type[Reranker] = RerankEngine

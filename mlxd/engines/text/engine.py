@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
@@ -61,6 +61,7 @@ from mlxd.generation.pipeline import OutputPipeline, PipelineOptions
 from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
 from mlxd.generation.tools import ToolCallFormat
 from mlxd.models.adapters import AdapterError, read_adapter
+from mlxd.models.engine import EngineFacts, EngineStats, PrefixCacheStats
 from mlxd.runtime.distributed import GroupOptions
 from mlxd.runtime.worker import ModelWorker
 
@@ -83,7 +84,6 @@ class TextEngineOptions:
     prefix_cache_bytes: int = 256 * 1024 * 1024
     batching: bool = True
     max_context: int | None = None
-    default_max_tokens: int | None = None  # None: the rest of the context
     kv_output_estimate: int = 1024  # output tokens expected of a request with no limit
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -294,8 +294,7 @@ class MLXLanguageModel:
         vocab = int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
                     or len(tok))
         grammar = GrammarTokenizer(tok.backend_tokenizer, vocab, sorted(tok.eos_token_ids))
-        limits = InputLimits(self.context_length, self.vocab_size, max_token_chars(tok),
-                             self.options.default_max_tokens)
+        limits = InputLimits(self.context_length, self.vocab_size, max_token_chars(tok))
         return InputProcessor(self.name, tok, limits, reasoning=self.reasoning,
                               tool_format=self.tool_format, grammar_tokenizer=grammar)
 
@@ -396,18 +395,21 @@ class MLXLanguageModel:
                             and isinstance(sched.decoder, LMBatchDecoder) else "off"),
         }
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.scheduler.stats()) if self.scheduler else {}
-        if self.prefix_cache is not None:
-            out.update(prefix_cache_hits=self.prefix_cache.hits,
-                       prefix_cache_misses=self.prefix_cache.misses,
-                       prefix_cache_bytes=self.prefix_cache.nbytes,
-                       prefix_cache_entries=len(self.prefix_cache))
-            disk = self.prefix_cache.disk
-            if disk is not None:
-                out.update(prefix_cache_disk_bytes=disk.nbytes,
-                           prefix_cache_disk_reads=disk.reads)
-        return out
+    def facts(self) -> EngineFacts:
+        return EngineFacts(context_length=self.context_length,
+                           reasoning_parser=self.reasoning.name if self.reasoning else None,
+                           card=self.describe())
+
+    def stats(self) -> EngineStats:
+        out = self.scheduler.stats() if self.scheduler else EngineStats()
+        cache = self.prefix_cache
+        if cache is None:
+            return out
+        disk = cache.disk
+        return replace(out, prefix_cache=PrefixCacheStats(
+            hits=cache.hits, misses=cache.misses, nbytes=cache.nbytes, entries=len(cache),
+            disk_bytes=disk.nbytes if disk is not None else None,
+            disk_reads=disk.reads if disk is not None else 0))
 
     # -- requests ------------------------------------------------------------
     async def prepare(self, request: GenerationRequest) -> PreparedPrompt:
@@ -468,7 +470,7 @@ class MLXLanguageModel:
         finished = False
         try:
             while not finished:
-                for event in await sink.queue.get():
+                for event in await sink.channel.receive():
                     yield event
                     if isinstance(event, Finish):
                         finished = True
@@ -553,3 +555,9 @@ class MLXLanguageModel:
                     tops.append(TopLogprob(t, float(row[i].item()), list(t.encode())))
             out.append(TokenLogprob(tid, text, float(row[tid].item()), list(text.encode()), tops))
         return out
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import TextGenerator
+
+    _implements: type[TextGenerator] = MLXLanguageModel

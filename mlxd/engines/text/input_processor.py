@@ -108,7 +108,6 @@ class InputLimits:
     context_length: int
     vocab_size: int  # token ids a client may send: [0, vocab_size)
     token_chars: int = 64  # longest token in characters (bounds characters per token)
-    default_max_tokens: int | None = None  # None: the rest of the context
 
 
 class InputProcessor:
@@ -370,7 +369,7 @@ class InputProcessor:
         if n_prompt >= ctx:
             raise self._too_long(f"your prompt has {n_prompt} tokens", "messages",
                                  tokens=n_prompt, counted=True)
-        return output_limit(ctx, n_prompt, max_tokens, self.limits.default_max_tokens)
+        return output_limit(ctx, n_prompt, max_tokens)
 
     def _grammar(self, request: GenerationRequest, fmt: ToolCallFormat | None) -> str | None:
         """The llguidance grammar this request decodes under, validated (400 if bad)."""

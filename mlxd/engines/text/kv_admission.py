@@ -26,31 +26,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from mlxd.engines.text.input_processor import PreparedPrompt
 from mlxd.engines.text.quantized_cache import KVQuantization
 from mlxd.errors import InvalidRequest
+from mlxd.models.engine import KVStats
 from mlxd.models.memory import kv_bytes_per_token
 
 # Output tokens a request without an output limit is expected to generate (``--kv-output-
 # estimate``; it may grow past it, GROW_TOKENS at a time, while memory allows).
 OUTPUT_ESTIMATE = 1024
 GROW_TOKENS = 256
-
-
-@dataclass
-class KVStats:
-    """What ``/metrics`` shows of admission by live KV."""
-
-    live_bytes: int = 0  # KV the running sequences hold now
-    granted_bytes: int = 0  # KV they are expected to hold (admission counts this)
-    peak_live_bytes: int = 0
-    allowance_bytes: int = 0  # at the last check
-    preemptions: int = 0
-    waiting_for_memory: int = 0  # queued sequences that the allowance holds back now
-    bytes_per_token: int = 0  # KV one token takes (quantized: its bits, scales and biases)
 
 
 class KVLedger:

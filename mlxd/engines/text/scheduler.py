@@ -48,6 +48,8 @@ from mlxd.errors import Overloaded
 from mlxd.generation.events import Event, TokenLogprob, TopLogprob
 from mlxd.generation.params import SamplingParams
 from mlxd.generation.pipeline import OutputPipeline
+from mlxd.models.engine import EngineStats, SchedulerStats
+from mlxd.runtime.channel import LoopChannel, send_all
 
 log = logging.getLogger(__name__)
 
@@ -71,32 +73,22 @@ class AsyncQueueSink(EventSink):
     """Events for a consumer on an asyncio event loop (the HTTP side)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
+        self.channel: LoopChannel[list[Event]] = LoopChannel(loop)
 
     def push(self, events: list[Event]) -> None:
-        deliver([(self, events)])
-
-
-def _put_all(items: list[tuple[asyncio.Queue[list[Event]], list[Event]]]) -> None:
-    for queue, events in items:
-        queue.put_nowait(events)
+        self.channel.send(events)
 
 
 def deliver(batch: list[tuple[EventSink, list[Event]]]) -> None:
     """Hand events to their sinks: one thread hop per event loop per step, however
-    many sequences the step advanced (each hop wakes the loop and costs CPU)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+    many sequences the step advanced (``runtime/channel.py``'s ``send_all``)."""
+    to_loops: list[tuple[LoopChannel[Any], list[Event]]] = []
     for sink, events in batch:
         if isinstance(sink, AsyncQueueSink):
-            by_loop.setdefault(sink.loop, []).append((sink.queue, events))
+            to_loops.append((sink.channel, events))
         else:
             sink.push(events)
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # loop closed: its clients are long gone
-            pass
+    send_all(to_loops)
 
 
 @dataclass
@@ -186,10 +178,16 @@ class SchedulerBase:
             self._cancelled.add(seq_id)
         self._wake()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         with self._lock:
-            return {"running": len(self.running), "waiting": len(self._waiting),
-                    "steps": self.steps, "batch_sizes": list(self.batch_sizes)}
+            running, waiting = len(self.running), len(self._waiting)
+            counted = SchedulerStats(steps=self.steps, batch_sizes=tuple(self.batch_sizes))
+        return EngineStats(running=running, waiting=waiting,
+                           scheduler=self._more_stats(counted))
+
+    def _more_stats(self, stats: SchedulerStats) -> SchedulerStats:
+        """What a scheduler adds to its counters (drafts, KV admission)."""
+        return stats
 
     # -- worker thread ----------------------------------------------------
     def has_work(self) -> bool:
@@ -409,13 +407,9 @@ class BatchScheduler(SchedulerBase):
             self.kv.release(seq.seq_id)
         super()._finish(seq, reason, error)
 
-    def stats(self) -> dict[str, Any]:
-        out = super().stats()
-        if isinstance(self.decoder, DraftCounting):
-            out["draft_accepted"], out["draft_rejected"] = self.decoder.draft_totals()
-        if self.kv is not None:
-            out["kv"] = self.kv.stats()
-        return out
+    def _more_stats(self, stats: SchedulerStats) -> SchedulerStats:
+        draft = self.decoder.draft_totals() if isinstance(self.decoder, DraftCounting) else None
+        return replace(stats, draft=draft, kv=self.kv.stats() if self.kv else None)
 
     def cache_nbytes(self) -> int:
         """Bytes the running batch's KV states hold (any thread)."""

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -35,6 +36,7 @@ from mlxd.engines.vision.patches import PatchHandle, registry
 from mlxd.errors import InvalidRequest, ModelLoadError
 from mlxd.generation.events import TokenLogprob
 from mlxd.jsonfile import read_json_object
+from mlxd.models.engine import EngineStats, PrefixCacheStats
 from mlxd.models.memory import FEATURE_CACHE_BYTES
 from mlxd.runtime.worker import ModelWorker
 
@@ -101,8 +103,7 @@ class MLXMultimodalLM(MLXLanguageModel):
         tok = self.tokenizer
         grammar = GrammarTokenizer(tok.backend_tokenizer, self.vocab_size,
                                    sorted(tok.eos_token_ids))
-        limits = InputLimits(self.context_length, self.vocab_size, max_token_chars(tok),
-                             self.options.default_max_tokens)
+        limits = InputLimits(self.context_length, self.vocab_size, max_token_chars(tok))
         prepare = {"image_token_index": config.get("image_token_index",
                                                    config.get("image_token_id")),
                    "add_special_tokens": should_add_special_tokens(self.model_type,
@@ -176,17 +177,18 @@ class MLXMultimodalLM(MLXLanguageModel):
                    vision_tower_runs=features.tower_runs if features else 0)
         return out
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         out = super().stats()
         decoder = self._vlm_decoder()
         if decoder is not None and self._prefix_cache_bytes() > 0:
-            out.update(prefix_cache_hits=decoder.prefix_hits,
-                       prefix_cache_misses=decoder.prefix_misses,
-                       prefix_cache_bytes=decoder.prefix_cache_nbytes())
+            out = replace(out, prefix_cache=replace(
+                out.prefix_cache or PrefixCacheStats(), hits=decoder.prefix_hits,
+                misses=decoder.prefix_misses, nbytes=decoder.prefix_cache_nbytes()))
         if self.features is not None:
-            out.update(feature_cache_hits=self.features.hits,
-                       feature_cache_misses=self.features.misses,
-                       vision_tower_runs=self.features.tower_runs)
+            out = replace(out, counters={**out.counters,
+                                         "feature_cache_hits": self.features.hits,
+                                         "feature_cache_misses": self.features.misses,
+                                         "vision_tower_runs": self.features.tower_runs})
         return out
 
     async def prompt_logprobs(self, prepared: PreparedPrompt, top: int) -> list[TokenLogprob]:
@@ -245,3 +247,9 @@ def _eos_ids(config: dict[str, Any], tokenizer: Any, folder: Path) -> list[int]:
     if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
+
+
+if TYPE_CHECKING:  # mypy proves the engine implements its family's protocol
+    from mlxd.engines.base import TextGenerator
+
+    _implements: type[TextGenerator] = MLXMultimodalLM

@@ -29,7 +29,9 @@ from mlxd.protocol.anthropic import CountTokensRequest, MessagesInput, MessagesR
 from mlxd.server.anthropic_cache import usage_anthropic
 from mlxd.server.anthropic_input import generation_request
 from mlxd.server.context import ServerContext, get_ctx
+from mlxd.server.errors import anthropic_error_type
 from mlxd.server.json_body import StrictJSONRoute
+from mlxd.server.leased_stream import StreamError, leased_stream
 from mlxd.server.sse import SSE_HEADERS, sse_event
 from mlxd.server.text_session import TextSession, finish_of
 
@@ -177,34 +179,36 @@ async def _stream(session: TextSession, req: MessagesRequest,
     # the cache's part is estimated now; message_delta carries the counts as they were
     prompt = Usage(session.prompt_tokens, 0, cached_tokens=session.engine.cached_tokens(
         session.prepared))
-    try:
-        yield sse_event("message_start", {"type": "message_start", "message": _message(
-            _new_id(), req.model, [], None, None, usage_anthropic(prompt, session.cache_pins))})
-        yield sse_event("ping", {"type": "ping"})
-        blocks = ContentBlocks()
-        async for item in _events(session, req.max_tokens):
-            if item is None:
-                yield sse_event("ping", {"type": "ping"})
-                continue
-            event = item[1]
-            if not isinstance(event, Finish):
-                for name, payload in blocks.feed(event):
-                    yield sse_event(name, payload)
-                continue
-            if event.reason == "error":
-                yield sse_event("error", {"type": "error", "error": {
-                    "type": "api_error", "message": event.error or "generation failed"}})
-                return
-            for name, payload in blocks.close():
+    yield sse_event("message_start", {"type": "message_start", "message": _message(
+        _new_id(), req.model, [], None, None, usage_anthropic(prompt, session.cache_pins))})
+    yield sse_event("ping", {"type": "ping"})
+    blocks = ContentBlocks()
+    async for item in _events(session, req.max_tokens):
+        if item is None:
+            yield sse_event("ping", {"type": "ping"})
+            continue
+        event = item[1]
+        if not isinstance(event, Finish):
+            for name, payload in blocks.feed(event):
                 yield sse_event(name, payload)
-            reason, sequence = stop_reason(event, clamped)
-            yield sse_event("message_delta", {
-                "type": "message_delta",
-                "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": usage_anthropic(event.usage, session.cache_pins)})
-            yield sse_event("message_stop", {"type": "message_stop"})
-    finally:
-        await session.close()
+            continue
+        if event.reason == "error":
+            yield sse_event("error", {"type": "error", "error": {
+                "type": "api_error", "message": event.error or "generation failed"}})
+            return
+        for name, payload in blocks.close():
+            yield sse_event(name, payload)
+        reason, sequence = stop_reason(event, clamped)
+        yield sse_event("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": usage_anthropic(event.usage, session.cache_pins)})
+        yield sse_event("message_stop", {"type": "message_stop"})
+
+
+def _stream_error(error: StreamError) -> str:
+    return sse_event("error", {"type": "error", "error": {
+        "type": anthropic_error_type(error.status), "message": error.message}})
 
 
 def prompt_too_long(error: ContextOverflow) -> InvalidRequest:
@@ -241,7 +245,8 @@ async def create_message(req: MessagesRequest, request: Request,
     session = await _open(ctx, req, ENDPOINT)
     clamped = clamp_max_tokens(session, req.max_tokens)
     if req.stream:
-        return StreamingResponse(_stream(session, req, clamped),
+        return StreamingResponse(leased_stream(_stream(session, req, clamped), session.close,
+                                               _stream_error),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     return await _respond(session, request, req, clamped)
 

@@ -24,15 +24,14 @@ from mlxd.protocol.openai import ChatCompletionRequest
 from mlxd.protocol.tokenize import TokenizeRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
+from mlxd.server.leased_stream import StreamError, leased_stream
 from mlxd.server.openai_tools import constraint, tool_choice, tool_specs
+from mlxd.server.request_policy import pick, sampling_params, stop_list
 from mlxd.server.sse import SSE_COMMENT_KEEPALIVE, SSE_DONE, SSE_HEADERS, sse_data
 from mlxd.server.text_session import (
     TextSession,
     finish_of,
     merge_usage,
-    pick,
-    sampling_params,
-    stop_list,
     usage_openai,
 )
 
@@ -67,7 +66,7 @@ def generation_request(ctx: ServerContext, req: ChatCompletionRequest) -> Genera
             seed=req.seed, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=req.logit_bias, defaults=d),
-        max_tokens=pick(req.max_completion_tokens, req.max_tokens, d.max_tokens),
+        max_tokens=pick(req.max_completion_tokens, req.max_tokens),
         stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
@@ -150,38 +149,41 @@ async def _stream(session: TextSession, req: ChatCompletionRequest) -> AsyncIter
                                       "finish_reason": finish}]})
 
     usages = []
-    try:
-        for i in range(session.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        async for item in session.stream():
-            if item is None:
-                yield SSE_COMMENT_KEEPALIVE
-                continue
-            index, ev = item
-            if isinstance(ev, TextDelta):
-                lps = ({"content": [logprob_entry(lp) for lp in ev.logprobs]}
-                       if req.logprobs and ev.logprobs else None)
-                if ev.text or lps:
-                    yield chunk(index, {"content": ev.text}, logprobs=lps)
-            elif isinstance(ev, ReasoningDelta):
-                yield chunk(index, {"reasoning_content": ev.text, "reasoning": ev.text})
-            elif isinstance(ev, ToolCall):
-                yield chunk(index, {"tool_calls": [tool_call_json(ev, streaming=True)]})
-            elif isinstance(ev, Finish):
-                usages.append(ev.usage)
-                if ev.reason == "error":
-                    yield sse_data({"error": {"message": ev.error or "generation failed",
-                                              "type": "server_error", "param": None,
-                                              "code": "generation_failed"}})
-                    return
-                yield chunk(index, {}, finish_reason(ev))
-        if include_usage:
-            yield sse_data({"id": cid, "object": "chat.completion.chunk", "created": created,
-                            "model": req.model, "choices": [],
-                            "usage": usage_openai(merge_usage(usages))})
-        yield SSE_DONE
-    finally:
-        await session.close()
+    for i in range(session.n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for item in session.stream():
+        if item is None:
+            yield SSE_COMMENT_KEEPALIVE
+            continue
+        index, ev = item
+        if isinstance(ev, TextDelta):
+            lps = ({"content": [logprob_entry(lp) for lp in ev.logprobs]}
+                   if req.logprobs and ev.logprobs else None)
+            if ev.text or lps:
+                yield chunk(index, {"content": ev.text}, logprobs=lps)
+        elif isinstance(ev, ReasoningDelta):
+            yield chunk(index, {"reasoning_content": ev.text, "reasoning": ev.text})
+        elif isinstance(ev, ToolCall):
+            yield chunk(index, {"tool_calls": [tool_call_json(ev, streaming=True)]})
+        elif isinstance(ev, Finish):
+            usages.append(ev.usage)
+            if ev.reason == "error":
+                yield sse_data({"error": {"message": ev.error or "generation failed",
+                                          "type": "server_error", "param": None,
+                                          "code": "generation_failed"}})
+                return
+            yield chunk(index, {}, finish_reason(ev))
+    if include_usage:
+        yield sse_data({"id": cid, "object": "chat.completion.chunk", "created": created,
+                        "model": req.model, "choices": [],
+                        "usage": usage_openai(merge_usage(usages))})
+    yield SSE_DONE
+
+
+def stream_error(error: StreamError) -> str:
+    """An OpenAI stream's error chunk (chat and completions), as for a failed generation."""
+    return sse_data({"error": {"message": error.message, "type": error.type,
+                               "param": error.param, "code": error.code or "generation_failed"}})
 
 
 @router.post(ENDPOINT)
@@ -190,6 +192,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request,
     gen = generation_request(ctx, req)
     session = await TextSession.open(ctx, req.model, gen, n=req.n, endpoint=ENDPOINT)
     if req.stream:
-        return StreamingResponse(_stream(session, req), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return StreamingResponse(leased_stream(_stream(session, req), session.close, stream_error),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
     return await _respond(session, request, req)

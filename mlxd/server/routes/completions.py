@@ -18,16 +18,15 @@ from mlxd.generation.params import GenerationRequest
 from mlxd.protocol.openai import CompletionRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
+from mlxd.server.leased_stream import leased_stream
 from mlxd.server.openai_tools import constraint
-from mlxd.server.routes.chat import finish_reason
+from mlxd.server.request_policy import sampling_params, stop_list
+from mlxd.server.routes.chat import finish_reason, stream_error
 from mlxd.server.sse import SSE_COMMENT_KEEPALIVE, SSE_DONE, SSE_HEADERS, sse_data
 from mlxd.server.text_session import (
     TextSession,
     finish_of,
     merge_usage,
-    pick,
-    sampling_params,
-    stop_list,
     usage_openai,
 )
 
@@ -60,7 +59,7 @@ def generation_request(ctx: ServerContext, req: CompletionRequest,
             seed=req.seed, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             logit_bias=req.logit_bias, defaults=d),
-        max_tokens=pick(req.max_tokens, d.max_tokens),
+        max_tokens=req.max_tokens,
         stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
@@ -151,40 +150,36 @@ async def _stream(sessions: list[TextSession], req: CompletionRequest) -> AsyncI
                                                           "finish_reason": finish}]})
 
     usages = []
-    try:
-        for p, session in enumerate(sessions):
-            if req.echo:
-                for i in range(session.n):
-                    yield chunk(p * req.n + i, session.engine.prompt_text(session.prepared))
-            async for item in session.stream():
-                if item is None:
-                    yield SSE_COMMENT_KEEPALIVE
-                    continue
-                i, ev = item
-                index = p * req.n + i
-                if isinstance(ev, TextDelta):
-                    lps = (legacy_logprobs(list(ev.logprobs), 0)
-                           if req.logprobs is not None and ev.logprobs else None)
-                    if ev.text or lps:
-                        yield chunk(index, ev.text, lps=lps)
-                elif isinstance(ev, Finish):
-                    usages.append(ev.usage)
-                    if ev.reason == "error":
-                        yield sse_data({"error": {"message": ev.error or "generation failed",
-                                                  "type": "server_error", "param": None,
-                                                  "code": "generation_failed"}})
-                        return
-                    yield chunk(index, "", finish_reason(ev))
-        if include_usage:
-            usage = usage_openai(merge_usage(usages))
-            usage["prompt_tokens"] = sum(s.prompt_tokens for s in sessions)
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            yield sse_data({"id": cid, "object": "text_completion", "created": created,
-                            "model": req.model, "choices": [], "usage": usage})
-        yield SSE_DONE
-    finally:
-        for s in sessions:
-            await s.close()
+    for p, session in enumerate(sessions):
+        if req.echo:
+            for i in range(session.n):
+                yield chunk(p * req.n + i, session.engine.prompt_text(session.prepared))
+        async for item in session.stream():
+            if item is None:
+                yield SSE_COMMENT_KEEPALIVE
+                continue
+            i, ev = item
+            index = p * req.n + i
+            if isinstance(ev, TextDelta):
+                lps = (legacy_logprobs(list(ev.logprobs), 0)
+                       if req.logprobs is not None and ev.logprobs else None)
+                if ev.text or lps:
+                    yield chunk(index, ev.text, lps=lps)
+            elif isinstance(ev, Finish):
+                usages.append(ev.usage)
+                if ev.reason == "error":
+                    yield sse_data({"error": {"message": ev.error or "generation failed",
+                                              "type": "server_error", "param": None,
+                                              "code": "generation_failed"}})
+                    return
+                yield chunk(index, "", finish_reason(ev))
+    if include_usage:
+        usage = usage_openai(merge_usage(usages))
+        usage["prompt_tokens"] = sum(s.prompt_tokens for s in sessions)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        yield sse_data({"id": cid, "object": "text_completion", "created": created,
+                        "model": req.model, "choices": [], "usage": usage})
+    yield SSE_DONE
 
 
 @router.post(ENDPOINT)
@@ -193,6 +188,10 @@ async def completions(req: CompletionRequest, request: Request,
     ctx.manager.check_kind(req.model, COMPLETION, ENDPOINT)
     sessions = await _open_all(ctx, req)
     if req.stream:
-        return StreamingResponse(_stream(sessions, req), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        async def close_all() -> None:
+            for s in sessions:
+                await s.close()
+
+        return StreamingResponse(leased_stream(_stream(sessions, req), close_all, stream_error),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
     return await _respond(sessions, request, req)

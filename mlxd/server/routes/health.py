@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Response
 
-from mlxd.models.residency import State
+from mlxd.models.residency import ResidencyManager, State
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.drain import RETRY_AFTER_S
 
@@ -43,15 +43,7 @@ async def health(response: Response, ctx: ServerContext = Depends(get_ctx)) -> d
             "load": _load(loaded)}
 
 
-def _load(loaded: list[Any]) -> dict[str, int]:
+def _load(loaded: list[ResidencyManager]) -> dict[str, int]:
     """Sequences decoding and queued over the loaded models: what a router balances on."""
-    running = waiting = 0
-    for res in loaded:
-        stats = getattr(res.engine, "stats", None)
-        try:
-            figures = dict(stats()) if stats is not None else {}
-        except Exception:  # a model unloading under us reports nothing
-            figures = {}
-        running += int(figures.get("running", 0))
-        waiting += int(figures.get("waiting", 0))
-    return {"running": running, "waiting": waiting}
+    stats = [s for res in loaded if (s := res.stats()) is not None]
+    return {"running": sum(s.running for s in stats), "waiting": sum(s.waiting for s in stats)}

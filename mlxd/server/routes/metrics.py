@@ -6,7 +6,7 @@ scrape time; per-request series are recorded by ``server/observe.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from mlxd.models.engine import EngineStats, GroupStats, KVStats, PrefixCacheStats
 from mlxd.models.manager import ModelManager
 from mlxd.models.residency import State
 from mlxd.server.context import ServerContext, get_ctx
@@ -85,31 +86,33 @@ class ManagerCollector:
             memory.add_metric([res.name], res.memory_bytes())
             loads.add_metric([res.name], res.loads)
             leases.add_metric([res.name], res.leases)
-            stats = _engine_stats(res)
-            running.add_metric([res.name], stats.get("running", 0))
-            waiting.add_metric([res.name], stats.get("waiting", 0))
-            cache.add_metric([res.name], stats.get("prefix_cache_bytes", 0))
-            if "prefix_cache_disk_bytes" in stats:
-                disk_bytes.add_metric([res.name], stats["prefix_cache_disk_bytes"])
-                disk_reads.add_metric([res.name], stats["prefix_cache_disk_reads"])
-            hits.add_metric([res.name], stats.get("prefix_cache_hits", 0))
-            lookups.add_metric([res.name], stats.get("prefix_cache_hits", 0) +
-                               stats.get("prefix_cache_misses", 0))
-            if "batch_sizes" in stats:
-                steps.add_metric([res.name], stats.get("steps", 0))
-                batch.add_metric([res.name], *_batch_buckets(stats["batch_sizes"]))
-            if "draft_accepted" in stats:
-                drafts_ok.add_metric([res.name], stats["draft_accepted"])
-                drafts_bad.add_metric([res.name], stats["draft_rejected"])
-            if "shared_batches" in stats:
-                speech_batches.add_metric([res.name], stats.get("batches", 0))
-                speech_shared.add_metric([res.name], stats["shared_batches"])
-                speech_items.add_metric([res.name], stats.get("batched_windows",
-                                                              stats.get("batched_sentences", 0)))
-            if stats.get("kv") is not None:
-                kv.add(res.name, stats["kv"])
-            if isinstance(stats.get("group"), dict):
-                group.add(res.name, stats["group"])
+            stats = res.stats() or EngineStats()
+            running.add_metric([res.name], stats.running)
+            waiting.add_metric([res.name], stats.waiting)
+            prefix = stats.prefix_cache or PrefixCacheStats()
+            cache.add_metric([res.name], prefix.nbytes)
+            if prefix.disk_bytes is not None:
+                disk_bytes.add_metric([res.name], prefix.disk_bytes)
+                disk_reads.add_metric([res.name], prefix.disk_reads)
+            hits.add_metric([res.name], prefix.hits)
+            lookups.add_metric([res.name], prefix.hits + prefix.misses)
+            sched = stats.scheduler
+            if sched is not None:
+                steps.add_metric([res.name], sched.steps)
+                batch.add_metric([res.name], *_batch_buckets(sched.batch_sizes))
+                if sched.draft is not None:
+                    drafts_ok.add_metric([res.name], sched.draft[0])
+                    drafts_bad.add_metric([res.name], sched.draft[1])
+                if sched.kv is not None:
+                    kv.add(res.name, sched.kv)
+            if "shared_batches" in stats.counters:
+                counters = stats.counters
+                speech_batches.add_metric([res.name], counters.get("batches", 0))
+                speech_shared.add_metric([res.name], counters["shared_batches"])
+                speech_items.add_metric([res.name], counters.get(
+                    "batched_windows", counters.get("batched_sentences", 0)))
+            if stats.group is not None:
+                group.add(res.name, stats.group)
         yield from (state, memory, loads, leases, running, waiting, cache, hits, lookups, steps,
                     batch, drafts_ok, drafts_bad, disk_bytes, disk_reads, speech_batches,
                     speech_shared, speech_items, *kv.families(),
@@ -140,7 +143,7 @@ class _KVGauges:
                                            "takes (at --kv-bits when quantized)",
                                            labels=["model"])
 
-    def add(self, model: str, stats: Any) -> None:
+    def add(self, model: str, stats: KVStats) -> None:
         self.live.add_metric([model], stats.live_bytes)
         self.granted.add_metric([model], stats.granted_bytes)
         self.peak.add_metric([model], stats.peak_live_bytes)
@@ -166,18 +169,17 @@ class _GroupGauges:
                                         "holds (rank 0: its model; others: MLX active "
                                         "memory)", labels=["model", "rank"])
 
-    def add(self, model: str, info: dict[str, Any]) -> None:
-        self.size.add_metric([model, str(info.get("backend")), str(info.get("split"))],
-                             info.get("size", 0))
-        self.healthy.add_metric([model], 1 if info.get("healthy") else 0)
-        for rank in info.get("ranks", []):
-            self.memory.add_metric([model, str(rank.get("rank"))], rank.get("memory_bytes", 0))
+    def add(self, model: str, group: GroupStats) -> None:
+        self.size.add_metric([model, group.backend, group.split], group.size)
+        self.healthy.add_metric([model], 1 if group.healthy else 0)
+        for rank in group.ranks:
+            self.memory.add_metric([model, str(rank.rank)], rank.memory_bytes)
 
     def families(self) -> list[Any]:
         return [self.size, self.healthy, self.memory]
 
 
-def _batch_buckets(counts: list[int]) -> tuple[list[tuple[str, float]], float]:
+def _batch_buckets(counts: Sequence[int]) -> tuple[list[tuple[str, float]], float]:
     """Cumulative power-of-two buckets (and the sum) from steps counted per batch size."""
     buckets: list[tuple[str, float]] = []
     bound, seen = 1, 0
@@ -189,17 +191,6 @@ def _batch_buckets(counts: list[int]) -> tuple[list[tuple[str, float]], float]:
     buckets.append((str(bound), seen))
     buckets.append(("+Inf", seen))
     return buckets, float(sum(size * n for size, n in enumerate(counts)))
-
-
-def _engine_stats(res: Any) -> dict[str, Any]:
-    engine = res.engine if res.state == State.LOADED else None
-    stats = getattr(engine, "stats", None)
-    if stats is None:
-        return {}
-    try:
-        return dict(stats())
-    except Exception:
-        return {}
 
 
 def metrics_registry(manager: ModelManager,

@@ -64,7 +64,7 @@ def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
     if engine is not None and res.state == State.LOADED:
         try:
             card["measured_bytes"] = int(engine.memory_bytes())
-            card.update(engine.describe())
+            card.update(engine.facts().card)
         except Exception:
             pass
     if res.entry.qualification:

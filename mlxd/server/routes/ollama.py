@@ -31,6 +31,7 @@ from mlxd.generation.events import Event, Finish, ReasoningDelta, TextDelta, Tok
 from mlxd.protocol.ollama import ChatRequest, ChatResponse, GenerateRequest, GenerateResponse
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
+from mlxd.server.leased_stream import StreamError, leased_stream
 from mlxd.server.routes import ollama_models
 from mlxd.server.routes.anthropic import tool_input
 from mlxd.server.routes.ollama_input import (
@@ -160,21 +161,20 @@ async def _load_only(ctx: ServerContext, req: ChatRequest | GenerateRequest, nam
     return JSONResponse(out)
 
 
-async def _stream(ctx: ServerContext, session: TextSession, answer: Answer,
-                  keep_alive: float | None) -> AsyncIterator[str]:
-    try:
-        async for _, event in session.events():
-            if not isinstance(event, Finish):
-                line = answer.line(event)
-                if line is not None:
-                    yield ndjson(line)
-            elif event.reason == "error":
-                yield ndjson({"error": event.error or "generation failed"})
-            else:
-                yield ndjson(answer.closing(event))
-    finally:
-        await session.close()
-        await _after(ctx, session.model_name, keep_alive)
+def _stream_error(error: StreamError) -> str:
+    return ndjson({"error": error.message})
+
+
+async def _stream(session: TextSession, answer: Answer) -> AsyncIterator[str]:
+    async for _, event in session.events():
+        if not isinstance(event, Finish):
+            line = answer.line(event)
+            if line is not None:
+                yield ndjson(line)
+        elif event.reason == "error":
+            yield ndjson({"error": event.error or "generation failed"})
+        else:
+            yield ndjson(answer.closing(event))
 
 
 async def _respond(ctx: ServerContext, session: TextSession, request: Request, answer: Answer,
@@ -200,7 +200,7 @@ async def _generate(ctx: ServerContext, req: ChatRequest | GenerateRequest, requ
            else generate_request(req, defaults))
     session = await TextSession.open(ctx, name, gen, endpoint=endpoint)
     try:
-        if req.think and not session.engine.describe().get("reasoning_parser"):
+        if req.think and not session.engine.facts().reasoning_parser:
             raise InvalidRequest(f"\"{req.model}\" does not support thinking.", param="think")
         ctx.manager.get(name).keep_alive = keep_alive
     except BaseException:
@@ -208,7 +208,12 @@ async def _generate(ctx: ServerContext, req: ChatRequest | GenerateRequest, requ
         raise
     answer = Answer(req.model, chat, req.logprobs, started, time.monotonic())
     if req.stream:
-        return StreamingResponse(_stream(ctx, session, answer, keep_alive), media_type=NDJSON)
+        async def release() -> None:
+            await session.close()
+            await _after(ctx, session.model_name, keep_alive)
+
+        return StreamingResponse(leased_stream(_stream(session, answer), release, _stream_error),
+                                 media_type=NDJSON)
     return await _respond(ctx, session, request, answer, keep_alive)
 
 

@@ -25,7 +25,7 @@ from mlxd.generation.params import Constraint, GenerationRequest, ToolChoice
 from mlxd.models.spec import ServingDefaults
 from mlxd.protocol.ollama import ChatRequest, GenerateRequest, Message, Options
 from mlxd.server.context import ServerContext
-from mlxd.server.text_session import sampling_params
+from mlxd.server.request_policy import sampling_params
 from mlxd.server.tool_checks import check_json_schema, resolve_tool_choice, tool_spec_list
 
 _GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")

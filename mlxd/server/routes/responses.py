@@ -20,6 +20,7 @@ from mlxd.generation.events import Finish
 from mlxd.protocol.responses import ResponsesRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
+from mlxd.server.leased_stream import StreamError, leased_stream
 from mlxd.server.response_store import ResponseStore
 from mlxd.server.responses_input import conversation, generation_request, tool_table
 from mlxd.server.responses_output import ResponseRun
@@ -70,26 +71,23 @@ async def _stream(session: TextSession, run: ResponseRun, store: ResponseStore,
     def send(event: dict[str, Any]) -> str:
         return sse_event(event["type"], run.sequenced(event))
 
-    try:
-        yield send({"type": "response.created", "response": run.response("in_progress")})
-        yield send({"type": "response.in_progress", "response": run.response("in_progress")})
-        async for item in session.stream():
-            if item is None:  # keep-alive: Codex counts any SSE event as activity
-                yield send({"type": "response.in_progress",
-                            "response": run.response("in_progress")})
-                continue
-            event = item[1]
-            if not isinstance(event, Finish):
-                for item_event in run.output.feed(event):
-                    yield send(item_event)
-                continue
-            response, closing = run.finish(event)
-            for item_event in closing:
+    yield send({"type": "response.created", "response": run.response("in_progress")})
+    yield send({"type": "response.in_progress", "response": run.response("in_progress")})
+    async for item in session.stream():
+        if item is None:  # keep-alive: Codex counts any SSE event as activity
+            yield send({"type": "response.in_progress",
+                        "response": run.response("in_progress")})
+            continue
+        event = item[1]
+        if not isinstance(event, Finish):
+            for item_event in run.output.feed(event):
                 yield send(item_event)
-            if event.reason != "error":
-                _keep(store, run, response, messages)
-    finally:
-        await session.close()
+            continue
+        response, closing = run.finish(event)
+        for item_event in closing:
+            yield send(item_event)
+        if event.reason != "error":
+            _keep(store, run, response, messages)
 
 
 @router.post(ENDPOINT)
@@ -103,7 +101,13 @@ async def create_response(req: ResponsesRequest, request: Request,
     session = await TextSession.open(ctx, req.model, gen, endpoint=ENDPOINT)
     run = ResponseRun(req, gen, tools)
     if req.stream:
-        return StreamingResponse(_stream(session, run, store, messages),
+        def error_event(error: StreamError) -> str:
+            return sse_event("error", run.sequenced({
+                "type": "error", "code": error.code or "generation_failed",
+                "message": error.message, "param": error.param}))
+
+        return StreamingResponse(leased_stream(_stream(session, run, store, messages),
+                                               session.close, error_event),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     return await _respond(session, request, run, store, messages)
 

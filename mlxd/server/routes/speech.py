@@ -13,24 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxd.engines.base import SPEECH, AudioChunk, SpeechRequest, SpeechSynthesizer
-from mlxd.errors import InvalidRequest, MlxdError
+from mlxd.errors import InvalidRequest
 from mlxd.media.audio_encode import MEDIA_TYPES, SpeechEncoder, speech_encoder
 from mlxd.models.catalog import CatalogError, local_path_of
-from mlxd.models.manager import ModelLease
 from mlxd.models.residency import ResidencyManager
 from mlxd.models.spec import TTS_KINDS
 from mlxd.models.voices import VoiceFile, check_speed, check_voice, resolve_voice, voices_in
 from mlxd.protocol.speech import SpeechCreateRequest
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
+from mlxd.server.leased_stream import StreamError, leased_stream
 from mlxd.server.sse import SSE_HEADERS, sse_data
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,12 @@ def check_input(text: str, max_chars: int) -> None:
                              param="input", code="input_too_long")
 
 
-def model_voices(ctx: ServerContext, res: ResidencyManager) -> list[VoiceFile]:
-    """The loaded model's voices, else those in its files if they are on disk ([]: unknown
-    until it loads)."""
-    engine = res.engine
-    if engine is not None:
-        return [VoiceFile(v.id, v.name, v.language) for v in engine.voices()]
+async def model_voices(ctx: ServerContext, res: ResidencyManager) -> list[VoiceFile]:
+    """The loaded model's voices (read through a lease, so it stays loaded meanwhile), else
+    those in its files if they are on disk ([]: unknown until it loads)."""
+    async with ctx.manager.lease_if_loaded(res.name, SPEECH) as lease:
+        if lease is not None:
+            return [VoiceFile(v.id, v.name, v.language) for v in lease.engine.facts().voices]
     try:
         folder = local_path_of(res.entry, ctx.config.home)
         return voices_in(folder) if folder is not None else []
@@ -78,40 +78,29 @@ async def _encoded(first: AudioChunk | None, rest: AsyncIterator[AudioChunk],
             await close()
 
 
-async def _audio_body(stream: AsyncGenerator[bytes, None],
-                      lease: ModelLease[Any]) -> AsyncIterator[bytes]:
-    try:
+async def _audio_body(stream: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    async with contextlib.aclosing(stream):
         async for data in stream:
             if data:
                 yield data
-    finally:
-        await stream.aclose()
-        await lease.release()
 
 
-async def _sse_body(stream: AsyncGenerator[bytes, None], lease: ModelLease[Any],
-                    characters: int) -> AsyncIterator[str]:
-    try:
-        try:
-            async for data in stream:
-                if data:
-                    yield sse_data({"type": "speech.audio.delta",
-                                    "audio": base64.b64encode(data).decode("ascii")})
-        except Exception as e:  # the status is sent: say it in the stream, as chat does
-            log.warning("speech stream failed: %s: %s", type(e).__name__, e)
-            status = e.status if isinstance(e, MlxdError) else 500
-            message = e.message if isinstance(e, MlxdError) else "speech synthesis failed"
-            yield sse_data({"type": "error", "error": {
-                "message": message, "type": "invalid_request_error" if status < 500
-                else "server_error", "param": None, "code": "speech_failed"}})
-            return
-        # These models read characters, not tokens: input_tokens counts characters.
-        yield sse_data({"type": "speech.audio.done",
-                        "usage": {"input_tokens": characters, "output_tokens": 0,
-                                  "total_tokens": characters}})
-    finally:
-        await stream.aclose()
-        await lease.release()
+async def _sse_body(stream: AsyncGenerator[bytes, None], characters: int) -> AsyncIterator[str]:
+    async with contextlib.aclosing(stream):
+        async for data in stream:
+            if data:
+                yield sse_data({"type": "speech.audio.delta",
+                                "audio": base64.b64encode(data).decode("ascii")})
+    # These models read characters, not tokens: input_tokens counts characters.
+    yield sse_data({"type": "speech.audio.done",
+                    "usage": {"input_tokens": characters, "output_tokens": 0,
+                              "total_tokens": characters}})
+
+
+def _sse_error(error: StreamError) -> str:
+    return sse_data({"type": "error", "error": {
+        "message": error.message, "type": "invalid_request_error" if error.status < 500
+        else "server_error", "param": None, "code": "speech_failed"}})
 
 
 _AUDIO_BODY = {"schema": {"type": "string", "format": "binary"}}
@@ -129,7 +118,7 @@ async def create_speech(req: SpeechCreateRequest,
     check_input(req.input, ctx.config.max_speech_input_chars)
     check_speed(req.speed)
     res = ctx.manager.get(req.model)
-    own = [v.id for v in model_voices(ctx, res)]
+    own = [v.id for v in await model_voices(ctx, res)]
     aliases = res.entry.voice_aliases
     voice = req.voice if req.voice in own else resolve_voice(req.voice, aliases)
     check_voice(voice, own, res.name, aliases)
@@ -139,15 +128,16 @@ async def create_speech(req: SpeechCreateRequest,
         chunks = engine.synthesize(SpeechRequest(text=req.input, voice=voice,
                                                  speed=req.speed, instructions=req.instructions))
         first = await anext(chunks, None)  # errors here are still an HTTP status
-        rate = first.sample_rate if first else int(engine.describe().get("sample_rate", 24000))
+        rate = first.sample_rate if first else engine.facts().sample_rate or 24_000
         stream = _encoded(first, chunks, speech_encoder(req.response_format, rate))
     except BaseException:
         await lease.release()
         raise
     if req.stream_format == "sse":
-        return StreamingResponse(_sse_body(stream, lease, len(req.input)),
+        return StreamingResponse(leased_stream(_sse_body(stream, len(req.input)), lease.release,
+                                               _sse_error, "speech synthesis failed"),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    return StreamingResponse(_audio_body(stream, lease),
+    return StreamingResponse(leased_stream(_audio_body(stream), lease.release),
                              media_type=MEDIA_TYPES[req.response_format])
 
 
@@ -162,5 +152,5 @@ async def list_voices(model: str | None = Query(None, description="a text-to-spe
         residencies = [r for r in ctx.manager.residencies() if r.kind in TTS_KINDS]
     data = [{"id": v.id, "name": v.name, "language": v.language, "model": r.name,
              "aliases": [a for a, target in r.entry.voice_aliases.items() if target == v.id]}
-            for r in residencies for v in model_voices(ctx, r)]
+            for r in residencies for v in await model_voices(ctx, r)]
     return JSONResponse({"object": "list", "data": data})
