@@ -46,7 +46,10 @@ def mlxd_spec(folder: Path, port: int, home: Path, blas: str) -> ServerSpec:
     return ServerSpec("mlxd", (
         sys.executable, "-m", "mlxd", "serve", str(folder), "--host", "127.0.0.1",
         "--port", str(port), "--served-model-name", SERVED_NAME, "--no-starter",
-        "--home", str(home), "--log-level", "warning", "--blas", blas), SERVED_NAME)
+        "--home", str(home), "--log-level", "warning", "--blas", blas,
+        # no prefix cache kept across runs: a "cold" prompt of this run could otherwise be
+        # one a previous run left in the home, and the peers keep nothing either
+        "--no-prefix-cache-persist"), SERVED_NAME)
 
 
 def mlx_lm_spec(folder: Path, port: int) -> ServerSpec:
