@@ -236,6 +236,16 @@ def run_kv(args: argparse.Namespace) -> dict[str, Any]:
     return {"exit_code": kv.main([*argv, "--quick"] if args.quick else argv)}
 
 
+def run_kv_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """``bench/kv_memory.py``: the prefix cache's disk tier (TTFT cold / RAM hit / read back
+    from disk) and admission by live KV under a small budget, each an ``mlxd serve``
+    (``kv_memory.md``)."""
+    from bench import kv_memory
+
+    argv = ["--home", str(args.home), "--out", str(args.out), "--blas", args.blas]
+    return {"exit_code": kv_memory.main([*argv, "--quick"] if args.quick else argv)}
+
+
 def plot_series(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Throughput levels per contender, the raw BatchGenerator as one more line."""
     series = {n: s.get("throughput", []) for n, s in results["servers"].items()
@@ -274,6 +284,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip the LoRA adapters benchmark (bench/lora.py)")
     p.add_argument("--no-kv", action="store_true",
                    help="skip the quantized KV benchmark (bench/kv.py)")
+    p.add_argument("--no-kv-memory", action="store_true",
+                   help="skip the KV disk tier and admission benchmark (bench/kv_memory.py)")
     p.add_argument("--no-tts", action="store_true",
                    help="skip the text-to-speech benchmark (bench/audio_tts.py)")
     p.add_argument("--no-stt", action="store_true",
@@ -329,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         results["lora"] = run_lora(args)
     if not args.no_kv:
         results["kv"] = run_kv(args)
+    if not args.no_kv_memory:
+        results["kv_memory"] = run_kv_memory(args)
     if not args.no_tts:
         results["audio_tts"] = run_audio_tts(args)
     if not args.no_stt:
