@@ -63,8 +63,9 @@ def stacked_nbytes(infos: list[AdapterInfo], dtype_bytes: int = 4) -> int:
     return (len(infos) + 1) * rank * sum(layers.values()) * dtype_bytes
 
 
-def safetensors_shapes(path: Path) -> dict[str, tuple[list[int], str]]:
-    """``{name: (shape, dtype)}`` from a safetensors file's header (its data is not read)."""
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header without ``__metadata__``, and where its data starts (the
+    data is not read)."""
     try:
         with path.open("rb") as f:
             raw = f.read(8)
@@ -78,15 +79,20 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[list[int], str]]:
         raise AdapterError(f"{path} cannot be read as safetensors: {e}") from None
     if not isinstance(header, dict):
         raise AdapterError(f"{path} is not a safetensors file.")
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[list[int], str]]:
+    """``{name: (shape, dtype)}`` from a safetensors file's header (its data is not read)."""
+    header, _ = safetensors_header(path)
     return {k: (list(v["shape"]), str(v["dtype"])) for k, v in header.items()
-            if k != "__metadata__" and isinstance(v, dict) and "shape" in v}
+            if isinstance(v, dict) and "shape" in v}
 
 
-def _config(folder: Path) -> dict[str, Any]:
+def adapter_config(folder: Path) -> dict[str, Any]:
+    """An adapter folder's ``adapter_config.json`` (mlx-lm's or PEFT's), a JSON object."""
     path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise AdapterError(f"{folder} has no {CONFIG_FILE}: not an mlx-lm adapter folder "
-                           "(mlx_lm.lora --train writes one next to adapters.safetensors).")
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -94,6 +100,13 @@ def _config(folder: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise AdapterError(f"{path} must hold a JSON object.")
     return config
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    if not (folder / CONFIG_FILE).is_file():
+        raise AdapterError(f"{folder} has no {CONFIG_FILE}: not an mlx-lm adapter folder "
+                           "(mlx_lm.lora --train writes one next to adapters.safetensors).")
+    return adapter_config(folder)
 
 
 def _lora_parameters(config: dict[str, Any], folder: Path) -> tuple[int, float, int]:

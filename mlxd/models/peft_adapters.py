@@ -20,20 +20,24 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mlxd.models.adapters import CONFIG_FILE, WEIGHTS_FILE, AdapterError
+from mlxd.models.adapters import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterError,
+    adapter_config,
+    safetensors_header,
+)
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 _DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 def is_peft_adapter(folder: Path) -> bool:
@@ -74,27 +78,9 @@ class PeftAdapter:
                 "dtypes": self.dtypes}
 
 
-def _header(path: Path) -> tuple[dict[str, Any], int]:
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise AdapterError(f"{path} is not a safetensors file (too short).")
-        (size,) = struct.unpack("<Q", raw)
-        if size > _MAX_HEADER:
-            raise AdapterError(f"{path} is not a safetensors file (header of {size} bytes).")
-        try:
-            header = json.loads(f.read(size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise AdapterError(f"{path} cannot be read as safetensors: {e}") from None
-    if not isinstance(header, dict):
-        raise AdapterError(f"{path} is not a safetensors file.")
-    header.pop("__metadata__", None)
-    return header, 8 + size
-
-
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as float32 numpy (F32, F16, BF16, F64)."""
-    header, start = _header(path)
+    header, start = safetensors_header(path)
     data = path.read_bytes()[start:]
     out: dict[str, np.ndarray] = {}
     for name, meta in header.items():
@@ -112,16 +98,6 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
         out[name] = raw.astype(np.float32).reshape(shape)
     return out
-
-
-def _config(folder: Path) -> dict[str, Any]:
-    try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{folder / CONFIG_FILE} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{folder / CONFIG_FILE} must hold a JSON object.")
-    return config
 
 
 def _refuse_unsupported(config: dict[str, Any], folder: Path) -> None:
@@ -162,7 +138,7 @@ def read_peft(folder: Path) -> PeftAdapter:
         raise AdapterError(f"Adapter folder {folder} does not exist.")
     if not (folder / CONFIG_FILE).is_file():
         raise AdapterError(f"{folder} has no {CONFIG_FILE}: not a PEFT adapter folder.")
-    config = _config(folder)
+    config = adapter_config(folder)
     _refuse_unsupported(config, folder)
     rank = int(_number(config, "r", folder, integer=True))
     alpha = _number(config, "lora_alpha", folder, integer=False)
@@ -171,7 +147,7 @@ def read_peft(folder: Path) -> PeftAdapter:
     if not weights.is_file():
         raise AdapterError(f"{folder} has no {PEFT_WEIGHTS} (PEFT's save_pretrained writes it;"
                            " a PyTorch adapter_model.bin must be saved as safetensors first).")
-    header, _ = _header(weights)
+    header, _ = safetensors_header(weights)
     targets = config.get("target_modules")
     named = set(targets) if isinstance(targets, list) else None
     pairs: dict[str, dict[str, list[int]]] = {}

@@ -7,7 +7,6 @@ base is ``mlxd model convert BASE --fuse --adapter PATH`` (``mlxd.workflow.conve
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from mlxd.models.adapters import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     AdapterError,
+    adapter_config,
     base_layer_count,
     read_adapter,
     safetensors_shapes,
@@ -39,12 +39,7 @@ def adapter_format(path: Path) -> str | None:
 
 def _mlx_facts(folder: Path) -> dict[str, Any]:
     """What an mlx-lm adapter folder says of itself (a DoRA one too: it is fused, not served)."""
-    try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"{folder / CONFIG_FILE} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{folder / CONFIG_FILE} must hold a JSON object.")
+    config = adapter_config(folder)
     kind = config.get("fine_tune_type", "lora")
     found = config.get("lora_parameters")
     params: dict[str, Any] = found if isinstance(found, dict) else {}
