@@ -1,7 +1,7 @@
 """``python -m bench.audio_concurrency [--quick]``: speech under concurrent load, mlxd over HTTP.
 
 - STT: ``clients`` uploads of ``stt_seconds`` of Piper speech each (different stretches
-  of ``bench.audio.TEXT``, so no two windows are the same), sent one at a time, then all
+  of ``TEXT``, so no two windows are the same), sent one at a time, then all
   at once; the figure is aggregate audio seconds transcribed per wall second, and the
   ratio of concurrent to one-at-a-time (batched uploads share the model's window batches,
   ``engines/audio/stt_window_batcher.py``; target at least 2x). The engine's
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -28,23 +27,28 @@ from typing import Any
 
 import httpx
 import numpy as np
-import yaml
 
-from bench.audio import TEXT, decode_16k, wav_bytes
+from bench.audio import decode_16k, wav_bytes
 from bench.audio_tts import SENTENCES, speak_streamed, speak_wav
-from bench.servers import (
-    ServerProcess,
-    ServerSpec,
-    free_port,
-    machine,
-    subprocess_env,
-    write_report,
-)
+from bench.servers import machine, mlxd_audio_server, subprocess_env, write_report
 from mlxd.models.starter import STARTER_STT, STARTER_TTS
 
 REPO = Path(__file__).resolve().parent.parent
 STT_MODEL = STARTER_STT.name
 TTS_MODEL = STARTER_TTS.name
+# Sentences that do not repeat: a window that repeats its text trips Whisper's
+# compression-ratio check and sends it into random temperature fallbacks.
+TEXT = ("The weather is nice today. Please send the report by Friday. My favourite colour "
+        "is blue. We will meet at the train station. Thank you for your help. The library "
+        "opens at nine in the morning. Our team finished the new bridge design last week. "
+        "She plays the violin in a small orchestra. The museum has a large collection of old "
+        "maps. Remember to water the garden before you leave. The train to the coast was "
+        "late again. He bought fresh bread and cheese at the market. The children built a "
+        "castle out of sand. Coffee tastes better when the beans are freshly ground. The "
+        "storm knocked down two trees near the school. We need more chairs for the meeting "
+        "room. The river froze for the first time in ten years. Please turn off the lights "
+        "when you go. The old clock in the hall still keeps good time. Our neighbours are "
+        "moving to a farm in the north.")
 
 
 @dataclass(frozen=True)
@@ -131,16 +135,8 @@ def tts(http: httpx.Client, sizes: Sizes) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, sizes: Sizes, env: dict[str, str]) -> dict[str, Any]:
-    port = free_port()
-    registry = args.out / "audio-concurrency-models.yaml"
-    registry.write_text(yaml.safe_dump({"models": [STARTER_STT.public(), STARTER_TTS.public()]}))
-    spec = ServerSpec("mlxd", (sys.executable, "-m", "mlxd", "serve", "--host", "127.0.0.1",
-                               "--port", str(port), "--home", str(args.home),
-                               "--models-config", str(registry), "--log-level", "warning",
-                               "--blas", args.blas), STT_MODEL, "/health")
-    with ServerProcess(spec, port, env, args.out / "logs" / "audio-concurrency-mlxd.log"), \
-            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800,
-                         trust_env=False) as http:
+    with mlxd_audio_server("audio-concurrency", [STARTER_STT, STARTER_TTS], home=args.home,
+                           out=args.out, blas=args.blas, env=env) as (_, http):
         return {"stt": stt(http, sizes), "tts": tts(http, sizes)}
 
 

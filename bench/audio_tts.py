@@ -28,16 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
-from bench.servers import (
-    ServerProcess,
-    ServerSpec,
-    free_port,
-    machine,
-    subprocess_env,
-    write_report,
-)
+from bench.servers import machine, mlxd_audio_server, subprocess_env, write_report
 from mlxd.models.starter import STARTER_TTS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,16 +115,8 @@ def run_raw(text: str, repeats: int, env: dict[str, str]) -> dict[str, Any]:
 def tts(args: argparse.Namespace, sizes: Sizes, env: dict[str, str]) -> dict[str, Any]:
     """TTS x realtime (mlxd vs raw Piper) and mlxd's time to first audio, one run."""
     text = text_of(sizes)
-    port = free_port()
-    registry = args.out / "audio-tts-models.yaml"
-    registry.write_text(yaml.safe_dump({"models": [STARTER_TTS.public()]}))
-    spec = ServerSpec("mlxd", (sys.executable, "-m", "mlxd", "serve", "--host", "127.0.0.1",
-                               "--port", str(port), "--home", str(args.home),
-                               "--models-config", str(registry), "--log-level", "warning",
-                               "--blas", args.blas), MODEL, "/health")
-    with ServerProcess(spec, port, env, args.out / "logs" / "audio-tts-mlxd.log"), \
-            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=1800,
-                         trust_env=False) as http:
+    with mlxd_audio_server("audio-tts", [STARTER_TTS], home=args.home, out=args.out,
+                           blas=args.blas, env=env) as (_, http):
         speak_wav(http, SENTENCES[0])  # load the voice
         wav = [speak_wav(http, text) for _ in range(sizes.repeats)]
         streamed = [speak_streamed(http, text) for _ in range(sizes.repeats)]

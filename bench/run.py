@@ -201,7 +201,8 @@ def run_audio_concurrency(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_audio_stt(args: argparse.Namespace) -> dict[str, Any]:
-    """``bench/audio.py``: STT x realtime, mlxd over HTTP vs raw mlx-whisper (``audio.md``)."""
+    """``bench/audio.py``: STT on 60 s and 10 min, mlxd batched vs sequential vs raw
+    mlx-whisper, with word error rates (``audio.md``)."""
     from bench import audio
 
     argv = ["--home", str(args.home), "--out", str(args.out), "--blas", args.blas]

@@ -10,13 +10,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+import yaml
+
+if TYPE_CHECKING:
+    from mlxd.models.spec import ModelEntry
 
 SERVED_NAME = "smollm2"
 
@@ -70,6 +75,43 @@ def vllm_mlx_spec(exe: Path, folder: Path, port: int) -> ServerSpec:
         str(exe), "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
         "--continuous-batching", "--served-model-name", SERVED_NAME, "--timeout", "7200"),
         SERVED_NAME, "/health")
+
+
+def mlxd_audio_spec(port: int, home: Path, blas: str, registry: Path,
+                    models: Sequence[ModelEntry]) -> ServerSpec:
+    """``mlxd serve`` with only ``models`` (audio starters) in its registry, which it writes
+    to ``registry``: no chat model is preloaded. Requests carry the first model's name."""
+    registry.write_text(yaml.safe_dump({"models": [m.public() for m in models]}))
+    return ServerSpec("mlxd", (
+        sys.executable, "-m", "mlxd", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--home", str(home), "--models-config", str(registry), "--log-level", "warning",
+        "--blas", blas), models[0].name, "/health")
+
+
+@contextmanager
+def mlxd_audio_server(tag: str, models: Sequence[ModelEntry], *, home: Path, out: Path,
+                      blas: str, env: dict[str, str]
+                      ) -> Iterator[tuple[ServerProcess, httpx.Client]]:
+    """A started ``mlxd serve`` with the audio ``models`` (registry ``<out>/<tag>-models.yaml``,
+    log ``<out>/logs/<tag>-mlxd.log``) and an HTTP client on it (30-minute timeout)."""
+    port = free_port()
+    spec = mlxd_audio_spec(port, home, blas, out / f"{tag}-models.yaml", models)
+    with ServerProcess(spec, port, env, out / "logs" / f"{tag}-mlxd.log") as server, \
+            httpx.Client(base_url=server.url, timeout=1800, trust_env=False) as http:
+        yield server, http
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and all its descendants so far (/proc stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / tick
 
 
 def rss_bytes(pid: int) -> int:
