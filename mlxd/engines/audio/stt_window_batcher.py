@@ -120,7 +120,8 @@ class WindowBatcher:
                 raise JobCancelled()
 
         mels = [u.mel(self.model, i) for u, i in picks]
-        results = decode_batch(self.model, mels, first.options, first.temperatures, all_gone)
+        results = decode_batch(self.model, mels, first.options, first.temperatures, all_gone,
+                               [u.speech_ends[i] for u, i in picks])
         order = sorted(range(len(picks)), key=lambda k: (uploads.index(picks[k][0]),
                                                          picks[k][1]))
         for k in order:
