@@ -33,8 +33,11 @@ def test_ps_load_unload_commands(tiny_model: Path, test_home: Path,
         assert main(["ps", "--url", srv.url, "--json"]) == 0
         rows = json.loads(capsys.readouterr().out)
         assert rows[0]["id"] == "tiny" and rows[0]["state"] == "loaded"
+        # a loaded model's card: what its engine holds now, and its facts
+        assert rows[0]["measured_bytes"] > 0 and rows[0]["context_length"] > 0
         assert main(["unload", "tiny", "--url", srv.url]) == 0
         assert "tiny: unloaded" in capsys.readouterr().out
+        assert "measured_bytes" not in httpx.get(srv.url + "/v1/models/tiny").json()
         assert main(["unload", "missing", "--url", srv.url]) == 1
         assert "does not exist" in capsys.readouterr().err
 

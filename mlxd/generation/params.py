@@ -26,6 +26,26 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class SamplingChoices:
+    """The sampling values a client gave, None where it gave none (``top_k`` -1: off).
+
+    The server resolves them once, under the model's lease, with the model's registry
+    defaults into the ``SamplingParams`` the engine reads
+    (``server/request_policy.apply_serving_defaults``).
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+
+
+@dataclass(frozen=True)
 class InputGrammar:
     """The grammar a freeform tool's input follows: ``syntax`` ``lark`` or ``regex``."""
 
@@ -100,6 +120,9 @@ class GenerationRequest:
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # What the client chose, before the registry's defaults: set by the API adapters and
+    # resolved into ``sampling`` when the request is leased (None: ``sampling`` is final).
+    sampling_choices: SamplingChoices | None = None
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -109,6 +132,7 @@ class GenerationRequest:
     tools: list[ToolSpec] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     constraint: Constraint | None = None
+    # the client's; the registry entry's are merged under them when the request is leased
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

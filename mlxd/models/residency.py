@@ -175,13 +175,20 @@ class ResidencyManager:
             return 0
         if self.state == State.LOADING or self.measured_bytes is None:
             return self.estimate
-        live = self.measured_bytes
-        if self.loaded is not None:
-            try:
-                live = self.loaded.engine.memory_bytes()
-            except Exception:
-                pass
-        return max(self.measured_bytes + self.reserve, live)
+        live = self.live_bytes()
+        return max(self.measured_bytes + self.reserve,
+                   self.measured_bytes if live is None else live)
+
+    def live_bytes(self) -> int | None:
+        """What the loaded engine holds now, measured (None while not loaded, or when the
+        engine cannot say because it is being unloaded under the caller). Any thread."""
+        loaded = self.loaded
+        if loaded is None:
+            return None
+        try:
+            return int(loaded.engine.memory_bytes())
+        except Exception:
+            return None
 
     def memory_bytes(self) -> int:
         """Estimate while unloaded, measured figure while loaded (for /v1/models)."""

@@ -21,7 +21,6 @@ from typing import Any
 
 from mlxd.errors import InvalidRequest
 from mlxd.generation.params import Constraint, GenerationRequest, ToolChoice, ToolSpec
-from mlxd.models.spec import ServingDefaults
 from mlxd.protocol.anthropic import (
     ImageBlock,
     Message,
@@ -35,7 +34,7 @@ from mlxd.protocol.anthropic import (
 )
 from mlxd.protocol.anthropic import ToolChoice as AnthropicToolChoice
 from mlxd.server.anthropic_cache import cache_marks
-from mlxd.server.request_policy import sampling_params
+from mlxd.server.request_policy import sampling_choices
 from mlxd.server.tool_checks import (
     check_json_schema,
     check_tool_results,
@@ -198,9 +197,10 @@ def constraint(req: MessagesRequest) -> Constraint | None:
                       check_json_schema(fmt.schema_, param="output_config.format.schema"))
 
 
-def template_kwargs(req: MessagesInput, defaults: ServingDefaults) -> dict[str, Any]:
-    """Registry defaults, then ``thinking`` as ``enable_thinking``, then explicit kwargs."""
-    kwargs = dict(defaults.chat_template_kwargs)
+def template_kwargs(req: MessagesInput) -> dict[str, Any]:
+    """``thinking`` as ``enable_thinking``, then explicit kwargs (the registry entry's go
+    under both when the request is leased)."""
+    kwargs: dict[str, Any] = {}
     if req.thinking is not None:
         kwargs["enable_thinking"] = req.thinking.type != "disabled"
     kwargs.update(req.chat_template_kwargs or {})
@@ -215,22 +215,21 @@ def is_prefill(messages: list[dict[str, Any]]) -> bool:
     return last["role"] == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
 
 
-def generation_request(req: MessagesInput, defaults: ServingDefaults) -> GenerationRequest:
-    """The request as a ``GenerationRequest``; ``max_tokens`` is capped to the context
-    when the prompt is prepared (``generation/output_length.py``)."""
+def generation_request(req: MessagesInput) -> GenerationRequest:
+    """The request as a ``GenerationRequest`` of the client's values (``TextSession.open``
+    fills in the model's defaults); ``max_tokens`` is capped to the context when the prompt
+    is prepared (``generation/output_length.py``)."""
     tools = tool_specs(req)
     choice = tool_choice(req.tool_choice, tools)
     messages = canonical_messages(req)
     prefill = is_prefill(messages)
     gen = GenerationRequest(messages=messages, tools=tools, tool_choice=choice,
-                            chat_template_kwargs=template_kwargs(req, defaults),
+                            chat_template_kwargs=template_kwargs(req),
                             add_generation_prompt=not prefill, continue_final_message=prefill,
                             cache_marks=cache_marks(req, canonical_messages))
     if isinstance(req, MessagesRequest):
-        gen.sampling = sampling_params(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=None,
-            seed=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-            logit_bias=None, defaults=defaults)
+        gen.sampling_choices = sampling_choices(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
         gen.stop = [s for s in req.stop_sequences or [] if s]
         gen.constraint = constraint(req)
         gen.max_tokens = req.max_tokens or None  # 0: nothing is generated (see the route)

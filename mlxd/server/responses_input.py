@@ -25,7 +25,6 @@ from mlxd.generation.params import (
     ToolSpec,
 )
 from mlxd.generation.structured import check_input_grammar
-from mlxd.models.spec import ServingDefaults
 from mlxd.protocol.responses import (
     ContentPart,
     CustomTool,
@@ -44,7 +43,7 @@ from mlxd.protocol.responses import (
     RefusalPart,
     ResponsesRequest,
 )
-from mlxd.server.request_policy import sampling_params, stop_list
+from mlxd.server.request_policy import sampling_choices, stop_list
 from mlxd.server.tool_checks import (
     check_json_schema,
     check_tool_results,
@@ -280,9 +279,10 @@ def constraint(req: ResponsesRequest) -> Constraint | None:
     return found[0] if found else None
 
 
-def template_kwargs(req: ResponsesRequest, defaults: ServingDefaults) -> dict[str, Any]:
-    """Registry defaults, then ``reasoning.effort`` ("none" turns thinking off), then kwargs."""
-    kwargs = dict(defaults.chat_template_kwargs)
+def template_kwargs(req: ResponsesRequest) -> dict[str, Any]:
+    """``reasoning.effort`` ("none" turns thinking off), then ``chat_template_kwargs`` (the
+    registry entry's go under both when the request is leased)."""
+    kwargs: dict[str, Any] = {}
     effort = req.reasoning.effort if req.reasoning else None
     if effort is not None:
         kwargs["enable_thinking"] = effort != "none"
@@ -301,18 +301,18 @@ def conversation(req: ResponsesRequest, history: list[dict[str, Any]],
     return messages
 
 
-def generation_request(req: ResponsesRequest, defaults: ServingDefaults,
-                       messages: list[dict[str, Any]], table: ToolTable) -> GenerationRequest:
-    """``messages``: the checked conversation; ``instructions`` go in front of it."""
+def generation_request(req: ResponsesRequest, messages: list[dict[str, Any]],
+                       table: ToolTable) -> GenerationRequest:
+    """``messages``: the checked conversation; ``instructions`` go in front of it. The
+    client's values only: ``TextSession.open`` fills in the model's defaults."""
     tools = table.specs
     prompt = ([{"role": "system", "content": req.instructions}] if req.instructions else [])
     return GenerationRequest(
         messages=prompt + messages,
-        sampling=sampling_params(
+        sampling_choices=sampling_choices(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            seed=req.seed, repetition_penalty=req.repetition_penalty, presence_penalty=None,
-            frequency_penalty=None, logit_bias=None, defaults=defaults),
+            seed=req.seed, repetition_penalty=req.repetition_penalty),
         max_tokens=req.max_output_tokens,
         stop=stop_list(req.stop), tools=tools, tool_choice=tool_choice(req, table),
-        constraint=constraint(req), chat_template_kwargs=template_kwargs(req, defaults),
+        constraint=constraint(req), chat_template_kwargs=template_kwargs(req),
         cache_key=req.prompt_cache_key)

@@ -221,7 +221,7 @@ def prompt_too_long(error: ContextOverflow) -> InvalidRequest:
 
 
 async def _open(ctx: ServerContext, req: MessagesInput, endpoint: str) -> TextSession:
-    gen = generation_request(req, ctx.manager.get(req.model).entry.defaults)
+    gen = generation_request(req)
     try:
         return await TextSession.open(ctx, req.model, gen, endpoint=endpoint)
     except ContextOverflow as e:

@@ -26,7 +26,7 @@ from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.leased_stream import StreamError, leased_stream
 from mlxd.server.openai_tools import constraint, tool_choice, tool_specs
-from mlxd.server.request_policy import pick, sampling_params, stop_list
+from mlxd.server.request_policy import pick, sampling_choices, stop_list
 from mlxd.server.sse import SSE_COMMENT_KEEPALIVE, SSE_DONE, SSE_HEADERS, sse_data
 from mlxd.server.text_session import (
     TextSession,
@@ -53,19 +53,18 @@ def canonical_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dic
     return out
 
 
-def generation_request(ctx: ServerContext, req: ChatCompletionRequest) -> GenerationRequest:
-    entry = ctx.manager.get(req.model).entry
-    d = entry.defaults
+def generation_request(req: ChatCompletionRequest) -> GenerationRequest:
+    """The client's request; ``TextSession.open`` fills in the model's defaults."""
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
     tools = tool_specs(req.tools)
     return GenerationRequest(
         messages=canonical_messages(req),
-        sampling=sampling_params(
+        sampling_choices=sampling_choices(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            logit_bias=req.logit_bias, defaults=d),
+            logit_bias=req.logit_bias),
         max_tokens=pick(req.max_completion_tokens, req.max_tokens),
         stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -73,7 +72,7 @@ def generation_request(ctx: ServerContext, req: ChatCompletionRequest) -> Genera
         tools=tools, tool_choice=tool_choice(req.tool_choice, tools),
         constraint=constraint(req.response_format, regex=req.regex, grammar=req.grammar,
                               guided_json=req.guided_json),
-        chat_template_kwargs={**d.chat_template_kwargs, **(req.chat_template_kwargs or {})},
+        chat_template_kwargs=dict(req.chat_template_kwargs or {}),
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         cache_salt=req.cache_salt,
@@ -189,7 +188,7 @@ def stream_error(error: StreamError) -> str:
 @router.post(ENDPOINT)
 async def chat_completions(req: ChatCompletionRequest, request: Request,
                            ctx: ServerContext = Depends(get_ctx)) -> Any:
-    gen = generation_request(ctx, req)
+    gen = generation_request(req)
     session = await TextSession.open(ctx, req.model, gen, n=req.n, endpoint=ENDPOINT)
     if req.stream:
         return StreamingResponse(leased_stream(_stream(session, req), session.close, stream_error),

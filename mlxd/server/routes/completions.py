@@ -20,7 +20,7 @@ from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.leased_stream import leased_stream
 from mlxd.server.openai_tools import constraint
-from mlxd.server.request_policy import sampling_params, stop_list
+from mlxd.server.request_policy import sampling_choices, stop_list
 from mlxd.server.routes.chat import finish_reason, stream_error
 from mlxd.server.sse import SSE_COMMENT_KEEPALIVE, SSE_DONE, SSE_HEADERS, sse_data
 from mlxd.server.text_session import (
@@ -47,18 +47,17 @@ def prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[st
                          "or a list of token-id lists.", param="prompt")
 
 
-def generation_request(ctx: ServerContext, req: CompletionRequest,
-                       prompt: str | list[int]) -> GenerationRequest:
-    d = ctx.manager.get(req.model).entry.defaults
+def generation_request(req: CompletionRequest, prompt: str | list[int]) -> GenerationRequest:
+    """The client's request for one prompt; ``TextSession.open`` fills in the defaults."""
     if isinstance(prompt, str) and not prompt:
         raise InvalidRequest("prompt must not be empty.", param="prompt")
     return GenerationRequest(
         prompt=prompt,
-        sampling=sampling_params(
+        sampling_choices=sampling_choices(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=req.seed, repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            logit_bias=req.logit_bias, defaults=d),
+            logit_bias=req.logit_bias),
         max_tokens=req.max_tokens,
         stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -94,7 +93,7 @@ async def _open_all(ctx: ServerContext, req: CompletionRequest) -> list[TextSess
     sessions: list[TextSession] = []
     try:
         for prompt in prompts_of(req.prompt):
-            gen = generation_request(ctx, req, prompt)
+            gen = generation_request(req, prompt)
             sessions.append(await TextSession.open(ctx, req.model, gen, n=req.n,
                                                    endpoint=ENDPOINT, family=COMPLETION))
     except BaseException:

@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from mlxd.engines.base import ModelEngine
 from mlxd.errors import Conflict, InvalidRequest, ModelNotFound
 from mlxd.models.catalog import CatalogError, registration_for
 from mlxd.models.live_adapters import adapter_base, add_adapter, remove_adapter
@@ -60,13 +59,12 @@ def model_card(ctx: ServerContext, res: ResidencyManager) -> dict[str, Any]:
         card["error"] = res.last_error
     elif fault:
         card["error"] = fault
-    engine: ModelEngine | None = res.engine
-    if engine is not None and res.state == State.LOADED:
-        try:
-            card["measured_bytes"] = int(engine.memory_bytes())
-            card.update(engine.facts().card)
-        except Exception:
-            pass
+    facts = res.facts()
+    if facts is not None:  # loaded: what it holds now and what it is
+        measured = res.live_bytes()
+        if measured is not None:
+            card["measured_bytes"] = measured
+        card.update(facts.card)
     if res.entry.qualification:
         card["qualification"] = res.entry.qualification.get("status")
     return card

@@ -195,9 +195,7 @@ async def _generate(ctx: ServerContext, req: ChatRequest | GenerateRequest, requ
     chat = isinstance(req, ChatRequest)
     if not (req.messages if isinstance(req, ChatRequest) else req.prompt):
         return await _load_only(ctx, req, name, keep_alive, endpoint, chat)
-    defaults = ctx.manager.get(name).entry.defaults
-    gen = (chat_request(req, defaults) if isinstance(req, ChatRequest)
-           else generate_request(req, defaults))
+    gen = chat_request(req) if isinstance(req, ChatRequest) else generate_request(req)
     session = await TextSession.open(ctx, name, gen, endpoint=endpoint)
     try:
         if req.think and not session.engine.facts().reasoning_parser:

@@ -3,7 +3,8 @@
 * ``options`` map onto sampling: ``temperature``, ``top_p``, ``top_k``, ``min_p``,
   ``seed`` (negative: random), ``repeat_penalty``, ``presence_penalty``,
   ``frequency_penalty``, ``stop``, ``num_predict`` (-1, -2 or absent: up to the end of
-  the context, or the registry entry's ``max_tokens``). Other options are ignored.
+  the context, or the registry entry's ``max_tokens``). Other options are ignored;
+  one left out takes the registry entry's default (``server/request_policy.py``).
 * ``format``: ``"json"`` or a JSON schema, through constrained decoding.
 * ``think``: the chat template's ``enable_thinking``; the reasoning split is the
   pipeline's, as for every API.
@@ -21,11 +22,10 @@ import uuid
 from typing import Any
 
 from mlxd.errors import InvalidRequest, ModelNotFound
-from mlxd.generation.params import Constraint, GenerationRequest, ToolChoice
-from mlxd.models.spec import ServingDefaults
+from mlxd.generation.params import Constraint, GenerationRequest, SamplingChoices, ToolChoice
 from mlxd.protocol.ollama import ChatRequest, GenerateRequest, Message, Options
 from mlxd.server.context import ServerContext
-from mlxd.server.request_policy import sampling_params
+from mlxd.server.request_policy import sampling_choices
 from mlxd.server.tool_checks import check_json_schema, resolve_tool_choice, tool_spec_list
 
 _GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
@@ -76,15 +76,15 @@ def keep_alive_seconds(value: float | int | str | None) -> float | None:
     return math.inf if sign < 0 else seconds
 
 
-def _options(options: Options | None, defaults: ServingDefaults
-             ) -> tuple[Any, int | None, list[str]]:
-    """(sampling, num_predict, stop) from Ollama's ``options``."""
+def _options(options: Options | None) -> tuple[SamplingChoices, int | None, list[str]]:
+    """(sampling, num_predict, stop) from Ollama's ``options``: the client's values only
+    (``TextSession.open`` fills in the model's defaults)."""
     o = options or Options()
-    sampling = sampling_params(
+    sampling = sampling_choices(
         temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
         seed=o.seed if o.seed is not None and o.seed >= 0 else None,
         repetition_penalty=o.repeat_penalty, presence_penalty=o.presence_penalty,
-        frequency_penalty=o.frequency_penalty, logit_bias=None, defaults=defaults)
+        frequency_penalty=o.frequency_penalty)
     num_predict = o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None
     return sampling, num_predict, [s for s in o.stop or [] if s]
 
@@ -163,9 +163,8 @@ def canonical_messages(messages: list[Message]) -> list[dict[str, Any]]:
     return out
 
 
-def _template_kwargs(req: ChatRequest | GenerateRequest,
-                     defaults: ServingDefaults) -> dict[str, Any]:
-    kwargs = dict(defaults.chat_template_kwargs)
+def _template_kwargs(req: ChatRequest | GenerateRequest) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
     if req.think is not None:
         kwargs["enable_thinking"] = req.think is not False
         if isinstance(req.think, str):
@@ -173,28 +172,27 @@ def _template_kwargs(req: ChatRequest | GenerateRequest,
     return kwargs
 
 
-def _request(req: ChatRequest | GenerateRequest, defaults: ServingDefaults,
-             **fields: Any) -> GenerationRequest:
-    sampling, num_predict, stop = _options(req.options, defaults)
+def _request(req: ChatRequest | GenerateRequest, **fields: Any) -> GenerationRequest:
+    sampling, num_predict, stop = _options(req.options)
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
     # num_predict absent (or -1/-2): the engine's default (the registry's or --max-tokens),
     # else the rest of the context; a larger one is capped (generation/output_length.py)
-    return GenerationRequest(sampling=sampling, stop=stop, logprobs=req.logprobs,
+    return GenerationRequest(sampling_choices=sampling, stop=stop, logprobs=req.logprobs,
                              max_tokens=num_predict,
                              top_logprobs=req.top_logprobs, constraint=constraint_of(req.format),
-                             chat_template_kwargs=_template_kwargs(req, defaults), **fields)
+                             chat_template_kwargs=_template_kwargs(req), **fields)
 
 
-def chat_request(req: ChatRequest, defaults: ServingDefaults) -> GenerationRequest:
+def chat_request(req: ChatRequest) -> GenerationRequest:
     tools = tool_spec_list(((t.function.name, t.function.description, t.function.parameters)
                             for t in req.tools or []), param="tools", schema_field="parameters")
     choice: ToolChoice = resolve_tool_choice(None, None, tools)
-    return _request(req, defaults, messages=canonical_messages(req.messages), tools=tools,
+    return _request(req, messages=canonical_messages(req.messages), tools=tools,
                     tool_choice=choice)
 
 
-def generate_request(req: GenerateRequest, defaults: ServingDefaults) -> GenerationRequest:
+def generate_request(req: GenerateRequest) -> GenerationRequest:
     """A templated prompt (``system`` + ``prompt`` + ``images``), or with ``raw`` the prompt as is."""
     for field in ("suffix", "template"):
         if getattr(req, field):
@@ -206,9 +204,9 @@ def generate_request(req: GenerateRequest, defaults: ServingDefaults) -> Generat
     if req.raw:
         if req.images:
             raise InvalidRequest("images need the chat template; leave out raw.", param="images")
-        return _request(req, defaults, prompt=req.prompt)
+        return _request(req, prompt=req.prompt)
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": req.system})
     messages.append({"role": "user", "content": _with_images(req.prompt, req.images, "images")})
-    return _request(req, defaults, messages=messages)
+    return _request(req, messages=messages)

@@ -97,7 +97,7 @@ async def create_response(req: ResponsesRequest, request: Request,
     store = ctx.response_store
     tools = tool_table(req)
     messages = conversation(req, _history(store, req.previous_response_id), tools)
-    gen = generation_request(req, ctx.manager.get(req.model).entry.defaults, messages, tools)
+    gen = generation_request(req, messages, tools)
     session = await TextSession.open(ctx, req.model, gen, endpoint=ENDPOINT)
     run = ResponseRun(req, gen, tools)
     if req.stream:

@@ -30,6 +30,7 @@ from mlxd.protocol.tokenize import (
 from mlxd.server.context import ServerContext, get_ctx
 from mlxd.server.json_body import StrictJSONRoute
 from mlxd.server.openai_tools import tool_choice, tool_specs
+from mlxd.server.request_policy import apply_serving_defaults
 from mlxd.server.routes.chat import canonical_messages
 from mlxd.server.text_session import hold_media_memory, resolve_request_media
 
@@ -52,16 +53,16 @@ def model_name(ctx: ServerContext, model: str | None, endpoint: str) -> str:
     return model
 
 
-def tokenize_request(ctx: ServerContext, model: str, req: TokenizeRequest) -> GenerationRequest:
+def tokenize_request(req: TokenizeRequest) -> GenerationRequest:
     """What ``prepare`` would render: messages, tools and template options as the chat
-    route builds them (the registry entry's template kwargs included), or the prompt."""
+    route builds them (the registry entry's template kwargs are added under the lease,
+    as for a chat), or the prompt."""
     if req.prompt is not None:
         return GenerationRequest(prompt=req.prompt)
-    defaults = ctx.manager.get(model).entry.defaults
     tools = tool_specs(req.tools)
     return GenerationRequest(
         messages=canonical_messages(req), tools=tools, tool_choice=tool_choice(None, tools),
-        chat_template_kwargs={**defaults.chat_template_kwargs, **(req.chat_template_kwargs or {})},
+        chat_template_kwargs=dict(req.chat_template_kwargs or {}),
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message)
 
@@ -71,7 +72,7 @@ async def tokenize(req: TokenizeRequest,
                    ctx: ServerContext = Depends(get_ctx)) -> dict[str, Any]:
     """A prompt's or chat's token ids and count, and the model's context length."""
     model = model_name(ctx, req.model, TOKENIZE)
-    gen = tokenize_request(ctx, model, req)
+    gen = tokenize_request(req)
     # A vision model's images are fetched and checked against the media limits before
     # the lease, as for a chat; its processor then counts their tokens.
     await resolve_request_media(ctx, model, gen, CHAT, TOKENIZE)
@@ -81,6 +82,7 @@ async def tokenize(req: TokenizeRequest,
     media = await hold_media_memory(ctx, gen)  # what decoding them holds, in the budget
     try:
         async with ctx.manager.lease(model, CHAT, TOKENIZE) as lease:
+            apply_serving_defaults(gen, lease.entry.defaults, ctx.config)
             out = await lease.engine.tokenize(gen, add_special_tokens=special,
                                               token_strs=bool(req.return_token_strs))
     finally:
