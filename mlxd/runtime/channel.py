@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -107,7 +107,7 @@ class Reply(Generic[T]):
         """Cancel work not started yet (its waiter raises ``asyncio.CancelledError``);
         whether the reply is now cancelled (False once running or settled)."""
         if self._mark_cancelled() and self.loop is not None:
-            _hop(self.loop, [(self._arrive, None)])
+            _hop(self.loop, [(None, self)])
         return self._state == _CANCELLED
 
     @property
@@ -168,20 +168,26 @@ class Reply(Generic[T]):
             raise self._error
         return self._value  # type: ignore[no-any-return]
 
-    def _arrive(self, _item: Any) -> None:
+    def _arrive(self) -> None:
         """Wake the awaiting coroutine, if any, to read the outcome (on the loop)."""
         waiter = self._waiter
         if waiter is not None and not waiter.done():  # done: the consumer left
             waiter.set_result(None)
 
 
-def _arrive_all(items: list[tuple[Callable[[Any], None], Any]]) -> None:
-    for arrive, item in items:
-        arrive(item)
+# What one hop carries: ``(queue, item)`` for a channel, ``(None, reply)`` for a reply.
+_Arrivals = list[tuple["asyncio.Queue[Any] | None", Any]]
 
 
-def _hop(loop: asyncio.AbstractEventLoop,
-         items: list[tuple[Callable[[Any], None], Any]]) -> None:
+def _arrive_all(items: _Arrivals) -> None:
+    for queue, item in items:
+        if queue is None:
+            item._arrive()
+        else:
+            queue.put_nowait(item)
+
+
+def _hop(loop: asyncio.AbstractEventLoop, items: _Arrivals) -> None:
     try:
         loop.call_soon_threadsafe(_arrive_all, items)
     except RuntimeError:  # loop closed: its consumers are long gone
@@ -192,13 +198,19 @@ def send_all(batch: Iterable[tuple[LoopChannel[Any] | Reply[Any], Any]]) -> None
     """Send each ``(channel or reply, item)`` of ``batch``, with one thread hop per event
     loop. A reply's item is its value, or a ``Failure``; a reply already settled or
     cancelled drops it, one made off any loop is settled here without a hop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Any], None], Any]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, _Arrivals] = {}
     for dest, item in batch:
         if isinstance(dest, Reply):
             if not dest._settle(item) or dest.loop is None:
                 continue
-            by_loop.setdefault(dest.loop, []).append((dest._arrive, None))
+            loop = dest.loop
+            arrival: tuple[asyncio.Queue[Any] | None, Any] = (None, dest)
         else:
-            by_loop.setdefault(dest.loop, []).append((dest._queue.put_nowait, item))
+            loop = dest.loop
+            arrival = (dest._queue, item)
+        items = by_loop.get(loop)
+        if items is None:
+            items = by_loop[loop] = []
+        items.append(arrival)
     for loop, items in by_loop.items():
         _hop(loop, items)
