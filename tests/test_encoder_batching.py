@@ -43,7 +43,7 @@ def test_concurrent_requests_share_one_batch() -> None:
             batcher.submit(_inputs(9, 10, 12))]
     _drain(batcher)
     assert len(forward.batches) == 1 and sorted(forward.batches[0]) == [9, 10, 10, 11, 12, 12]
-    assert [j.future.result()[:, 0].tolist() for j in jobs] == [[10, 12], [11], [9, 10, 12]]
+    assert [j.reply.result()[:, 0].tolist() for j in jobs] == [[10, 12], [11], [9, 10, 12]]
 
 
 def test_padded_size_stays_within_the_token_budget() -> None:
@@ -53,7 +53,7 @@ def test_padded_size_stays_within_the_token_budget() -> None:
     _drain(batcher)
     assert all(len(b) * max(b) <= 100 for b in forward.batches)
     assert sum(len(b) for b in forward.batches) == 7
-    assert job.future.result().shape == (7, 1)
+    assert job.reply.result().shape == (7, 1)
 
 
 def test_short_rows_are_not_padded_to_long_ones() -> None:
@@ -80,7 +80,7 @@ def test_a_sequence_longer_than_the_budget_runs_alone() -> None:
     job = batcher.submit(_inputs(80, 5))
     _drain(batcher)
     assert forward.batches == [[80], [5]]
-    assert job.future.result()[:, 0].tolist() == [80, 5]
+    assert job.reply.result()[:, 0].tolist() == [80, 5]
 
 
 def test_cancelled_requests_are_skipped() -> None:
@@ -88,10 +88,10 @@ def test_cancelled_requests_are_skipped() -> None:
     batcher = TokenBatcher(forward, token_budget=1000)
     gone = batcher.submit(_inputs(7, 7))
     kept = batcher.submit(_inputs(8))
-    assert gone.future.cancel()
+    assert gone.reply.cancel()
     _drain(batcher)
     assert forward.batches == [[8]]
-    assert kept.future.result()[:, 0].tolist() == [8]
+    assert kept.reply.result()[:, 0].tolist() == [8]
 
 
 def test_a_failing_batch_fails_its_requests_and_the_queue_goes_on() -> None:
@@ -108,8 +108,8 @@ def test_a_failing_batch_fails_its_requests_and_the_queue_goes_on() -> None:
     second = batcher.submit(_inputs(10))
     _drain(batcher)
     with pytest.raises(RuntimeError, match="boom"):
-        first.future.result()
-    assert second.future.result().shape == (1, 1)
+        first.reply.result()
+    assert second.reply.result().shape == (1, 1)
 
 
 def test_closing_fails_waiting_work_and_refuses_new() -> None:
@@ -119,7 +119,7 @@ def test_closing_fails_waiting_work_and_refuses_new() -> None:
     waiting = batcher.submit(_inputs(5))
     batcher.close()
     with pytest.raises(Overloaded):
-        waiting.future.result()
+        waiting.reply.result()
     with pytest.raises(Overloaded):
         batcher.submit(_inputs(5))
 

@@ -346,3 +346,54 @@ def test_the_managers_private_state_is_read_outside_models_only_through_methods(
                  for p in PACKAGE.rglob("*.py") if p.parent.name != "models"
                  for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []
+
+
+# Ways a thread reaches the event loop. ``runtime/channel.py`` (``LoopChannel``,
+# ``Reply``, ``send_all``) is the one place that does it; thread pools that only run
+# work between worker threads (``engines/kernels/prefill.py``) never touch a loop.
+LOOP_HOPS = {"call_soon_threadsafe", "wrap_future", "run_coroutine_threadsafe"}
+
+
+def _loop_hops_of_source(source: str) -> list[str]:
+    """Each use of a thread-to-loop hop in ``source``: the ``LOOP_HOPS`` methods and
+    functions, and ``concurrent.futures.Future`` (however imported)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (node.attr in LOOP_HOPS or (
+                node.attr == "Future" and ast.unparse(node.value).endswith("futures"))):
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.ImportFrom) and node.module in ("asyncio", "concurrent.futures"):
+            found += [f"from {node.module} import {a.name}" for a in node.names
+                      if a.name in LOOP_HOPS or (a.name == "Future"
+                                                 and node.module == "concurrent.futures")]
+    return found
+
+
+def test_only_the_channel_hands_results_from_a_thread_to_the_event_loop() -> None:
+    """One channel for every family (issue 28): worker jobs, text events, embedding
+    batches, transcribed uploads and a sharded group's failure all reach the loop
+    through ``runtime/channel.py``, one thread hop per loop per batch."""
+    offenders = [f"{p.relative_to(PACKAGE)}: {hop}" for p in PACKAGE.rglob("*.py")
+                 if p.relative_to(PACKAGE).as_posix() != "runtime/channel.py"
+                 for hop in _loop_hops_of_source(p.read_text())]
+    assert offenders == []
+
+
+def test_loop_hop_scanner_sees_each_form() -> None:
+    source = """
+import asyncio, concurrent.futures
+from asyncio import wrap_future
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+def f(loop, fut):
+    loop.call_soon_threadsafe(print)
+    asyncio.wrap_future(fut)
+    asyncio.run_coroutine_threadsafe(fut, loop)
+    a: concurrent.futures.Future[int] = futures.Future()
+    b = asyncio.Future()  # the loop's own future: not a hop
+    ThreadPoolExecutor(2).submit(print)  # between threads: not a hop
+"""
+    assert sorted(_loop_hops_of_source(source)) == sorted([
+        "from asyncio import wrap_future", "from concurrent.futures import Future",
+        "loop.call_soon_threadsafe", "asyncio.wrap_future", "asyncio.run_coroutine_threadsafe",
+        "concurrent.futures.Future", "futures.Future"])

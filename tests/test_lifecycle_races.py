@@ -415,11 +415,11 @@ def test_an_encoder_whose_every_batch_fails_is_reported_broken() -> None:
     try:
         for _ in range(FAILING_AFTER):
             with pytest.raises(RuntimeError):
-                batcher.submit([Encoded([1, 2, 3])]).future.result(60)
+                batcher.submit([Encoded([1, 2, 3])]).reply.result(60)
         worker.submit(lambda: None).result(60)  # the step that failed has been counted
         assert "injected encoder fault" in (worker.fault() or "")
         failing.clear()
-        assert batcher.submit([Encoded([1, 2])]).future.result(60).shape == (1, 2)
+        assert batcher.submit([Encoded([1, 2])]).reply.result(60).shape == (1, 2)
         worker.submit(lambda: None).result(60)
         assert worker.fault() is None
     finally:

@@ -2,7 +2,9 @@
 
 MLX streams are bound to the thread that created them, and model code must
 never run on the asyncio event loop. The worker runs submitted jobs and, when
-a stepper (a scheduler) has work, advances it one step between jobs.
+a stepper (a scheduler) has work, advances it one step between jobs. A job's
+result goes back to its caller through a ``Reply`` (``runtime/channel.py``); a
+job whose caller left before it started is skipped.
 
 A long job (a transcription) is *cancellable*: ``run_cancellable`` hands it a
 ``CancelToken`` that it checks between windows, and sets it when its caller
@@ -19,7 +21,6 @@ adopts it (with its streams) instead of starting a new one.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import queue
 import threading
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from mlxd.errors import Overloaded
+from mlxd.runtime.channel import Reply
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -173,33 +175,33 @@ class ModelWorker:
     def set_stepper(self, stepper: Stepper | None) -> None:
         self._stepper = stepper
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """Run ``fn(*args)`` on the worker thread; returns a future of its result."""
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+    def submit(self, fn: Callable[..., T], *args: Any) -> Reply[T]:
+        """Run ``fn(*args)`` on the worker thread; its result comes back as a ``Reply``
+        (awaited on the event loop, or ``result()`` off it)."""
+        reply: Reply[T] = Reply()
         if self._stopping.is_set():
-            fut.set_exception(RuntimeError(f"model worker '{self.name}' is stopped"))
-            return fut
-        self._jobs.put((fn, args, fut))
-        return fut
+            reply.set_exception(RuntimeError(f"model worker '{self.name}' is stopped"))
+            return reply
+        self._jobs.put((fn, args, reply))
+        return reply
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``submit`` for async callers."""
-        return await asyncio.wrap_future(self.submit(fn, *args))
+        """``submit`` for async callers: cancelling the caller skips a job not started."""
+        return await self.submit(fn, *args)
 
     async def run_cancellable(self, fn: Callable[..., T], *args: Any) -> T:
         """``run(fn, *args, token)``: when the caller is cancelled (its client left), or
         ``cancel_jobs`` is called, ``token`` is set and ``fn`` stops at its next check."""
         return await self.wait_cancellable(lambda token: self.submit(fn, *args, token))
 
-    async def wait_cancellable(
-            self, start: Callable[[CancelToken], concurrent.futures.Future[T]]) -> T:
+    async def wait_cancellable(self, start: Callable[[CancelToken], Reply[T]]) -> T:
         """The result of work a stepper runs for this caller: ``start(token)`` queues it
-        and returns its future; ``token`` is set as in ``run_cancellable``."""
+        and returns its reply; ``token`` is set as in ``run_cancellable``."""
         token = CancelToken()
         with self._tokens_lock:
             self._tokens.add(token)
         try:
-            return await asyncio.wrap_future(start(token))
+            return await start(token)
         except asyncio.CancelledError:
             token.cancel()
             raise
@@ -294,13 +296,15 @@ class ModelWorker:
 
     @staticmethod
     def _run_job(item: Any) -> None:
-        fn, args, fut = item
-        if not fut.set_running_or_notify_cancel():
+        fn, args, reply = item
+        if not reply.start():  # its caller left before it ran
             return
         try:
-            fut.set_result(fn(*args))
+            value = fn(*args)
         except BaseException as e:
-            fut.set_exception(e)
+            reply.set_exception(e)
+        else:
+            reply.set_result(value)
 
     def _drain_cancelled(self) -> None:
         while True:

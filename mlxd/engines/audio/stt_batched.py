@@ -22,7 +22,6 @@ Everything here is mlx-whisper's public API (``decode``, ``DecodingOptions``,
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +31,7 @@ import numpy as np
 
 from mlxd.engines.base import Chunking, TranscriptionRequest
 from mlxd.models.memory import SPEECH_BATCH_WINDOWS
+from mlxd.runtime.channel import Reply
 from mlxd.runtime.worker import CancelToken
 
 RATE = 16_000
@@ -152,7 +152,7 @@ class Upload:
         self.temperatures = temperatures
         self.on_window = on_window
         self.token = token
-        self.future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self.reply: Reply[dict[str, Any]] = Reply()  # mlx-whisper's result dict
         self.arrived = time.monotonic()
         self._check_language = check_language
         self.prepared = False
@@ -172,7 +172,7 @@ class Upload:
     @property
     def gone(self) -> bool:
         """Its caller gave up (client gone, unload)."""
-        return self.token.cancelled or self.future.cancelled()
+        return self.token.cancelled or self.reply.cancelled
 
     @property
     def done(self) -> bool:

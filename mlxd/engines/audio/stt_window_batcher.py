@@ -17,11 +17,12 @@ not yet decoded are dropped, and a batch all of whose uploads left stops at its
 next token; a batch shared with a live upload runs on for it.
 
 ``submit`` runs on the event loop's thread; ``step`` and ``fail_all`` on the worker.
+Each upload's result goes back through its ``Reply`` (``runtime/channel.py``): the
+uploads a batch finishes are handed over with one thread hop per event loop.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ import mlx.core as mx
 
 from mlxd.engines.audio.stt_batched import BATCH_SIZE, Upload, decode_batch
 from mlxd.errors import Overloaded
+from mlxd.runtime.channel import Failure, Reply, send_all
 from mlxd.runtime.worker import JobCancelled
 
 log = logging.getLogger(__name__)
@@ -57,14 +59,14 @@ class WindowBatcher:
                         "most_uploads_in_a_batch": 0, "batch_seconds": 0.0}
 
     # -- event loop side ----------------------------------------------------------------
-    def submit(self, upload: Upload) -> concurrent.futures.Future[dict[str, Any]]:
-        """Queue ``upload``; its future gets mlx-whisper's result dict."""
+    def submit(self, upload: Upload) -> Reply[dict[str, Any]]:
+        """Queue ``upload``; its reply gets mlx-whisper's result dict."""
         with self._lock:
             if self._closed:
                 raise Overloaded("The model is being unloaded; retry shortly.", retry_after=2)
             self._uploads.append(upload)
         self._wake()
-        return upload.future
+        return upload.reply
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -94,14 +96,12 @@ class WindowBatcher:
         try:
             self._decode(picks, uploads, group[0])
         except JobCancelled as e:
-            for u in uploads:
-                self._finish(u, error=e)
+            self._finish_all([(u, Failure(e)) for u in uploads])
             return
         except Exception as e:  # fail this batch's uploads, keep serving the others
             log.exception("speech batch of %d windows failed", len(picks))
             self.step_error = e
-            for u in uploads:
-                self._finish(u, error=e)
+            self._finish_all([(u, Failure(e)) for u in uploads])
             return
         finally:
             # The batch's freed buffers go back to the system, not MLX's cache, where
@@ -109,9 +109,7 @@ class WindowBatcher:
             mx.clear_cache()
         self.step_error = None
         self._count(picks, uploads, time.monotonic() - started)
-        for u in uploads:
-            if u.done:
-                self._finish(u, result=u.result())
+        self._finish_all([(u, u.result()) for u in uploads if u.done])
 
     def _decode(self, picks: list[tuple[Upload, int]], uploads: list[Upload],
                 first: Upload) -> None:
@@ -126,14 +124,13 @@ class WindowBatcher:
                                                          picks[k][1]))
         for k in order:
             upload = picks[k][0]
-            if not upload.future.done() and not upload.gone:
+            if not upload.reply.done and not upload.gone:
                 self._take(upload, mels[k], results[k])
 
     def fail_all(self, error: BaseException) -> None:
         with self._lock:
             uploads = list(self._uploads)
-        for u in uploads:
-            self._finish(u, error=error)
+        self._finish_all([(u, Failure(error)) for u in uploads])
 
     def close(self) -> None:
         """Refuse new uploads and fail the waiting ones (the model is unloading)."""
@@ -187,16 +184,16 @@ class WindowBatcher:
 
     def _finish(self, upload: Upload, result: dict[str, Any] | None = None,
                 error: BaseException | None = None) -> None:
+        self._finish_all([(upload, Failure(error) if error is not None else result or {})])
+
+    def _finish_all(self, outcomes: list[tuple[Upload, dict[str, Any] | Failure]]) -> None:
+        """Take the uploads out of the queue and hand each its result dict or
+        ``Failure`` (one thread hop per event loop; an upload whose caller left drops it)."""
         with self._lock:
-            if upload in self._uploads:
-                self._uploads.remove(upload)
-        try:
-            if error is not None:
-                upload.future.set_exception(error)
-            else:
-                upload.future.set_result(result or {})
-        except concurrent.futures.InvalidStateError:  # cancelled by its caller, or done
-            pass
+            for upload, _ in outcomes:
+                if upload in self._uploads:
+                    self._uploads.remove(upload)
+        send_all((upload.reply, outcome) for upload, outcome in outcomes)
 
     def _count(self, picks: list[tuple[Upload, int]], uploads: list[Upload],
                seconds: float) -> None:

@@ -42,6 +42,7 @@ from mlxd.engines.text.scheduler import BatchScheduler, SchedulerBase
 from mlxd.errors import ModelLoadError, Overloaded
 from mlxd.generation.events import Event
 from mlxd.models.engine import EngineStats, GroupStats, RankMemory
+from mlxd.runtime.channel import Reply, send_all
 from mlxd.runtime.distributed import GroupOptions
 from mlxd.runtime.distributed_link import GroupBroken, GroupLink
 
@@ -221,7 +222,7 @@ class ShardedLanguageModel(MLXLanguageModel):
         self.group: Any = None
         self.link: GroupLink | None = None
         self.mode = ""
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]] = []
+        self._waiters: list[Reply[str]] = []  # one per running generate: the failure
 
     def load(self) -> None:
         if self.options.kv_bits is not None:  # the followers' batches keep full precision
@@ -273,9 +274,7 @@ class ShardedLanguageModel(MLXLanguageModel):
         """A rank died: the model is broken (new requests 503, /health unhealthy) and
         every request waiting on it gets a 503 now, not after a collective returns."""
         self.worker.death = f"sharded group broken: {reason}"
-        for loop, fut in list(self._waiters):
-            with contextlib.suppress(RuntimeError):  # that loop is closed
-                loop.call_soon_threadsafe(_resolve, fut, reason)
+        send_all((waiter, reason) for waiter in list(self._waiters))
 
     async def generate(self, prepared: PreparedPrompt, seed_offset: int = 0
                        ) -> AsyncIterator[Event]:
@@ -283,10 +282,9 @@ class ShardedLanguageModel(MLXLanguageModel):
         link = self.link
         if link is None or link.failed is not None:
             raise _group_unavailable(link.failed if link and link.failed else "not loaded")
-        loop = asyncio.get_running_loop()
-        failed: asyncio.Future[str] = loop.create_future()
-        waiter = (loop, failed)
+        waiter: Reply[str] = Reply()
         self._waiters.append(waiter)
+        failed = asyncio.ensure_future(waiter)
         events = cast(AsyncGenerator[Event, None], super().generate(prepared, seed_offset))
         try:
             while True:
@@ -305,6 +303,7 @@ class ShardedLanguageModel(MLXLanguageModel):
                 yield event
         finally:
             self._waiters.remove(waiter)
+            failed.cancel()
             await events.aclose()
 
     def describe(self) -> dict[str, Any]:
@@ -340,11 +339,6 @@ class ShardedLanguageModel(MLXLanguageModel):
         super().close()
         if link is not None:
             link.close()
-
-
-def _resolve(fut: asyncio.Future[str], reason: str) -> None:
-    if not fut.done():
-        fut.set_result(reason)
 
 
 def _group_unavailable(reason: str) -> Overloaded:

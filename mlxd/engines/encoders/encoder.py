@@ -3,7 +3,6 @@ encoder, stepped by the model's worker thread."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import threading
 from pathlib import Path
@@ -51,7 +50,7 @@ class BatchedEncoder:
         if self.batcher is None:
             raise InvalidRequest(f"Model '{self.name}' is not loaded.")
         job = self.batcher.submit(encoded)
-        return await asyncio.wrap_future(job.future)
+        return await job.reply
 
     def close(self) -> None:
         """Fail queued work, drop the weights."""

@@ -12,14 +12,14 @@ concurrent requests share batches, short inputs pad against short inputs,
 and a request is never overtaken by ones that arrived after it.
 
 ``submit`` is called from the event loop's threads; ``step`` and ``fail_all``
-run on the worker thread. Results travel back through a
-``concurrent.futures.Future`` per request (``asyncio.wrap_future`` on the
-async side; cancelling it drops the request's sequences that have not run).
+run on the worker thread. Results travel back through a ``Reply`` per request
+(``runtime/channel.py``): every request a step completes or fails is handed over
+with one thread hop per event loop (``send_all``); cancelling a request's reply
+drops its sequences that have not run.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 from collections import deque
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mlxd.errors import Overloaded
+from mlxd.runtime.channel import Failure, Reply, send_all
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +78,10 @@ BatchForward = Callable[[Sequence[Encoded]], np.ndarray]
 
 @dataclass
 class BatchJob:
-    """One request's sequences and the future that receives their outputs, in order."""
+    """One request's sequences and the reply that receives their outputs, in order."""
 
     inputs: list[Encoded]
-    future: concurrent.futures.Future[np.ndarray] = field(
-        default_factory=concurrent.futures.Future)
+    reply: Reply[np.ndarray] = field(default_factory=Reply)
     rows: list[np.ndarray | None] = field(default_factory=list)
     remaining: int = 0
 
@@ -91,23 +91,22 @@ class BatchJob:
 
     @property
     def done(self) -> bool:
-        return self.future.done()
+        """Answered, failed or cancelled by its caller."""
+        return self.reply.done
 
-    def fail(self, error: BaseException) -> None:
-        if not self.future.done():
-            try:
-                self.future.set_exception(error)
-            except concurrent.futures.InvalidStateError:  # cancelled meanwhile
-                pass
-
-    def deliver(self, index: int, row: np.ndarray) -> None:
+    def deliver(self, index: int, row: np.ndarray) -> np.ndarray | None:
+        """Take one row; the request's whole output once its last row is in."""
         self.rows[index] = row
         self.remaining -= 1
-        if self.remaining == 0 and not self.future.done():
-            try:
-                self.future.set_result(np.stack([r for r in self.rows if r is not None]))
-            except concurrent.futures.InvalidStateError:
-                pass
+        if self.remaining:
+            return None
+        return np.stack([r for r in self.rows if r is not None])
+
+
+def fail_jobs(jobs: list[BatchJob], error: BaseException) -> None:
+    """Fail each job of ``jobs`` (one thread hop per event loop; a job listed twice,
+    or already answered, keeps its first outcome)."""
+    send_all((job.reply, Failure(error)) for job in jobs)
 
 
 @dataclass(frozen=True)
@@ -146,10 +145,10 @@ class TokenBatcher:
 
     # -- event-loop side ------------------------------------------------------
     def submit(self, inputs: list[Encoded]) -> BatchJob:
-        """Queue one request's sequences; its ``future`` resolves to an (n, ...) array."""
+        """Queue one request's sequences; its ``reply`` gets an (n, ...) array."""
         job = BatchJob(list(inputs))
         if not job.inputs:
-            job.future.set_result(np.zeros((0,), dtype=np.float32))
+            job.reply.set_result(np.zeros((0,), dtype=np.float32))
             return job
         tokens = sum(len(x) for x in job.inputs)
         with self._lock:
@@ -178,25 +177,25 @@ class TokenBatcher:
         except Exception as e:  # fail the requests in this batch, keep serving others
             log.exception("encoder batch of %d rows failed", len(batch))
             self.step_error = e
-            for it in batch:
-                it.job.fail(e)
+            fail_jobs([it.job for it in batch], e)
             return
         self.step_error = None
         longest = max(it.length for it in batch)
         self.batches += 1
         self.rows += len(batch)
         self.padded_tokens += longest * len(batch)
+        answered: list[tuple[Reply[np.ndarray], np.ndarray]] = []
         for it, row in zip(batch, out):
-            if not it.job.done:
-                it.job.deliver(it.index, row)
+            if not it.job.done and (rows := it.job.deliver(it.index, row)) is not None:
+                answered.append((it.job.reply, rows))
+        send_all(answered)  # every request this batch completed: one hop per loop
 
     def fail_all(self, error: BaseException) -> None:
         with self._lock:
             items = list(self._queue)
             self._queue.clear()
             self._queued_tokens = 0
-        for it in items:
-            it.job.fail(error)
+        fail_jobs([it.job for it in items], error)
 
     def close(self) -> None:
         """Refuse new work and fail what is waiting (the model is unloading)."""
