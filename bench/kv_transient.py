@@ -1,8 +1,9 @@
 """Where a text model's memory goes in a prefill chunk and a decode step, beyond the live KV
 that admission counts (docs/memory.md, "What the budget counts").
 
-``python -m bench.kv_transient [--rows 3] [--prompt-tokens 2000] [--max-tokens 64]``: one
-process, no server. SmolLM2-135M float32 (as ``bench/kv_memory.py``) through mlxd's batched
+``python -m bench.kv_transient [--rows 3] [--prompt-tokens 1500] [--max-tokens 24]``: one
+process, no server (preload OpenBLAS with ``LD_PRELOAD`` as ``bench/kv.py``: about a
+minute then; without it, many). SmolLM2-135M float32 (as ``bench/kv_memory.py``) through mlxd's batched
 decoder with the CPU prefill path installed, the way the engine runs it, and a prefix cache
 of ``--prefix-cache-mib`` that every prompt's state is inserted into when its prefill ends
 and when it finishes (as the scheduler does). Two phases: ``together``, ``--rows`` prompts
@@ -240,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kv_transient", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=3)
-    p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=1500)
+    p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--prefix-cache-mib", type=int, default=128)
     p.add_argument("--cache-limit-mib", type=int, default=None)
     p.add_argument("--mmap-threshold-kib", type=int, default=None)
