@@ -35,10 +35,13 @@ REPO = Path(__file__).resolve().parent.parent
 SERVERS = ("mlxd", "mlx_lm.server", "vllm-mlx")
 # Opt-in extra rows (``--servers mlxd,mlxd-lookup,...``): mlxd with prompt-lookup
 # speculation forced on (``--speculative auto`` leaves it off on a CPU without a fast
-# BLAS), and mlxd with it off.
+# BLAS), mlxd with it off, and mlxd with its KV quantized to 8 or 4 bits (``--kv-bits``;
+# the hybrid's attention layers, its recurrent state as it is).
 VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
     "mlxd-lookup": ("--speculative", "prompt-lookup"),
-    "mlxd-plain": ("--speculative", "off")}
+    "mlxd-plain": ("--speculative", "off"),
+    "mlxd-kv8": ("--kv-bits", "8"),
+    "mlxd-kv4": ("--kv-bits", "4")}
 VARIANTS = tuple(VARIANT_FLAGS)
 MODELS = ("smollm2", "hybrid")
 # How each server is sent the turns: (API, tools described in the system message).
@@ -48,6 +51,8 @@ MODELS = ("smollm2", "hybrid")
 APIS: dict[str, tuple[TraceApi, bool]] = {"mlxd": ("messages", True),
                                           "mlxd-lookup": ("messages", True),
                                           "mlxd-plain": ("messages", True),
+                                          "mlxd-kv8": ("messages", True),
+                                          "mlxd-kv4": ("messages", True),
                                           "mlx_lm.server": ("chat", True),
                                           "vllm-mlx": ("messages", True)}
 HYBRID_CONFIG: dict[str, Any] = {

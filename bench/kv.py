@@ -1,10 +1,13 @@
 """Quantized KV (``--kv-bits``) against full precision, on SmolLM2-135M float32, in one process.
 
-``python -m bench.kv [--prompts N] [--tokens N]`` (also run by ``make bench``). Reported:
+``python -m bench.kv [--prompts N] [--tokens N] [--bytes-only]`` (also run by ``make
+bench``). Reported:
 
 - KV bytes per token at the model's float32 (and, computed, float16), 8 and 4 bits,
   measured on the batch's extracted rows, and how many 4k-token sessions a fixed KV
-  budget holds at each;
+  budget holds at each; the same for the hybrid bench model (``bench/agent_trace.py``'s
+  ``qwen3_next``, random weights: bytes only), split into its attention layers' bytes per
+  token (quantized) and its recurrent layers' state per sequence (kept as it is);
 - perplexity of a held-out paragraph (``HELD_OUT``, written for this benchmark and used
   nowhere else), its KV quantized as it is written (chunked prefill through the cache);
 - greedy agreement over the first ``--tokens`` tokens of ``--prompts`` chat prompts, 8 and
@@ -63,19 +66,79 @@ def prompts(n: int) -> list[str]:
     return every[:n]
 
 
-def bytes_per_token(model: Any, tok: Any, kv: Any) -> float:
-    """KV bytes one token takes, measured on a row extracted from the batch."""
+def cache_bytes(model: Any, tokens: list[int], kv: Any) -> tuple[int, int, int]:
+    """(tokens covered, attention layers' bytes, recurrent layers' bytes) of a row holding
+    ``tokens`` extracted from the batch (``kv``: its quantization, or None)."""
+    from mlx_lm.models.cache import ArraysCache
+
     from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
     from mlxd.engines.text.sampling import greedy
 
     decoder = LMBatchDecoder(model, eos_ids=[], max_num_seqs=1, prefill_step_size=512,
                              kv_quantization=kv)
-    tokens = tok.encode(HELD_OUT)[:32]
     uid = decoder.insert(_Prompt(tokens), 0, None, greedy, [], set(), 2)  # type: ignore[arg-type]
     decoder.next()
     cache, covered = decoder.remove([uid], return_caches=True)[uid]
     decoder.close()
-    return sum(int(c.nbytes) for c in cache) / len(covered)
+    recurrent = sum(int(c.nbytes) for c in cache if isinstance(c, ArraysCache))
+    return len(covered), sum(int(c.nbytes) for c in cache) - recurrent, recurrent
+
+
+def bytes_per_token(model: Any, tok: Any, kv: Any) -> float:
+    """KV bytes one token takes, measured on a row extracted from the batch."""
+    covered, attention, recurrent = cache_bytes(model, tok.encode(HELD_OUT)[:32], kv)
+    return (attention + recurrent) / covered
+
+
+def hybrid_parts(model: Any, tok: Any, kv: Any) -> dict[str, float]:
+    """A hybrid's cache in two parts, measured on rows of two lengths: its attention
+    layers' bytes per token (they grow with the context) and its recurrent layers' bytes
+    per sequence (a fixed-size state: the same at both lengths, checked)."""
+    tokens = tok.encode(HELD_OUT)
+    (n1, a1, r1), (n2, a2, r2) = (cache_bytes(model, tokens[:n], kv) for n in (32, 96))
+    if r1 != r2 or a1 * n2 != a2 * n1:
+        raise RuntimeError(f"the hybrid's cache is not attention per token + a fixed state: "
+                           f"{n1} tokens {a1} + {r1} bytes, {n2} tokens {a2} + {r2}")
+    attention, recurrent = a2 / n2, float(r2)
+    per_token = attention + recurrent / SESSION_TOKENS
+    return {"attention_bytes_per_token": attention, "recurrent_bytes_per_sequence": recurrent,
+            "bytes_per_token": per_token,
+            "attention_share": round(attention / per_token, 3)}
+
+
+def hybrid_rows(folder: Path) -> dict[str, Any]:
+    """KV bytes of the hybrid bench model (``bench/agent_trace.py``'s ``qwen3_next``):
+    float32, 8 and 4 bits (its attention layers quantized, its recurrent state as it is),
+    float16 computed as half of float32 (a float16 model keeps both parts in float16)."""
+    from mlx_lm import load
+
+    from mlxd.engines.text.quantized_cache import KVQuantization
+    from mlxd.models.memory import kv_bytes_per_token
+
+    model, tok = load(str(folder))[:2]
+    full = hybrid_parts(model, tok, None)
+    rows = [{"kv": "float16 (computed)",
+             **{k: v / 2 for k, v in full.items() if k != "attention_share"},
+             "attention_share": full["attention_share"]},
+            {"kv": "float32", **full}]
+    for bits in (8, 4):
+        rows.append({"kv": f"{bits}-bit (group 64)", **hybrid_parts(model, tok,
+                                                                   KVQuantization(bits))})
+    fp16 = rows[0]["bytes_per_token"]
+    values = full["attention_bytes_per_token"] / 4  # K and V values per token
+    config = json.loads((folder / "config.json").read_text())
+    for r, bits in zip(rows[1:], (None, 8, 4)):  # admission counts every layer as attention
+        r["admission_bytes_per_token"] = kv_bytes_per_token(config, 4, bits, 64)
+    for r in rows:
+        r["sessions_4k"] = int(KV_BUDGET // (r["bytes_per_token"] * SESSION_TOKENS))
+        r["vs_fp32"] = round(full["bytes_per_token"] / r["bytes_per_token"], 2)
+        bits = int(r["kv"][0]) if r["kv"][0].isdigit() else None
+        # a float16 model's: float16 scales and biases, its recurrent state in float16
+        r["bytes_per_token_fp16_model"] = r["bytes_per_token"] if bits is None else (
+            values * bits / 8 + values / 64 * 2 * 2
+            + rows[0]["recurrent_bytes_per_sequence"] / SESSION_TOKENS)
+        r["vs_fp16"] = round(fp16 / r["bytes_per_token_fp16_model"], 2)
+    return {"model": folder.name, "rows": rows}
 
 
 class _Prompt:
@@ -118,7 +181,8 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, f
 
 
 def run(folder: Path, n_prompts: int, n_tokens: int, speed_tokens: int,
-        held_out_tokens: int | None = None) -> dict[str, Any]:
+        held_out_tokens: int | None = None, bytes_only: bool = False) -> dict[str, Any]:
+    """Every measure on ``folder`` (``bytes_only``: the bytes per token rows alone)."""
     from mlx_lm import load
 
     from bench.speculative import _decode
@@ -130,28 +194,30 @@ def run(folder: Path, n_prompts: int, n_tokens: int, speed_tokens: int,
     chats = [tok.apply_chat_template([{"role": "user", "content": p}],
                                      add_generation_prompt=True) for p in prompts(n_prompts)]
     held_out = tok.encode(HELD_OUT)[:held_out_tokens]
-    full = _decode(model, tok, chats, n_tokens, False, 4)["tokens"]
-    rows = [{"kv": "float16 (computed)", "bytes_per_token": kv_bytes_per_token(config, 2)}]
-    ppl_full = perplexity(model, held_out, None)
+    full = [] if bytes_only else _decode(model, tok, chats, n_tokens, False, 4)["tokens"]
+    rows: list[dict[str, Any]] = [{"kv": "float16 (computed)",
+                                   "bytes_per_token": kv_bytes_per_token(config, 2)}]
+    ppl_full = None if bytes_only else perplexity(model, held_out, None)
     rows.append({"kv": "float32", "bytes_per_token": bytes_per_token(model, tok, None),
-                 "perplexity": round(ppl_full, 3)})
+                 "perplexity": round(ppl_full, 3) if ppl_full else None})
     for bits in (8, 4):
         kv = KVQuantization(bits)
-        ppl = perplexity(model, held_out, kv)
-        quant = _decode(model, tok, chats, n_tokens, False, 4, kv=kv)["tokens"]
-        rows.append({"kv": f"{bits}-bit (group 64)",
-                     "bytes_per_token": bytes_per_token(model, tok, kv),
-                     "bytes_per_token_fp16_scales": kv_bytes_per_token(config, 2, bits, 64),
-                     "perplexity": round(ppl, 3),
-                     "perplexity_change": round(ppl / ppl_full - 1, 4),
-                     **agreement(full, quant)})
+        row = {"kv": f"{bits}-bit (group 64)",
+               "bytes_per_token": bytes_per_token(model, tok, kv),
+               "bytes_per_token_fp16_scales": kv_bytes_per_token(config, 2, bits, 64)}
+        if ppl_full:
+            ppl = perplexity(model, held_out, kv)
+            quant = _decode(model, tok, chats, n_tokens, False, 4, kv=kv)["tokens"]
+            row.update(perplexity=round(ppl, 3), perplexity_change=round(ppl / ppl_full - 1, 4),
+                       **agreement(full, quant))
+        rows.append(row)
     fp16 = rows[0]["bytes_per_token"]
     for r in rows:
         r["sessions_4k"] = int(KV_BUDGET // (r["bytes_per_token"] * SESSION_TOKENS))
         r["vs_fp16"] = round(fp16 / r.get("bytes_per_token_fp16_scales",
                                           r["bytes_per_token"]), 2)
     speed = []
-    for streams in (1, 8):
+    for streams in () if bytes_only else (1, 8):
         batch = (chats * 8)[:streams]
         for bits in (8, 4):
             off = _decode(model, tok, batch, speed_tokens, False, 4)
@@ -161,29 +227,62 @@ def run(folder: Path, n_prompts: int, n_tokens: int, speed_tokens: int,
                           "ratio": round(on["tok_s"] / off["tok_s"], 3) if off["tok_s"] else None})
     return {"model": folder.name, "prompts": len(chats), "tokens": n_tokens,
             "held_out_tokens": len(held_out), "speed_tokens": speed_tokens,
-            "budget_bytes": KV_BUDGET, "rows": rows, "speed": speed}
+            "budget_bytes": KV_BUDGET, "rows": rows, "speed": speed, "bytes_only": bytes_only}
 
 
 def markdown(results: dict[str, Any]) -> str:
+    quality = "Bytes only (`--bytes-only`): no perplexity, agreement or speed." if results.get(
+        "bytes_only") else (
+        f"Perplexity: a held-out paragraph of {results['held_out_tokens']} tokens. "
+        f"Agreement: greedy answers of {results['prompts']} prompts over their first "
+        f"{results['tokens']} tokens, against float32 KV.")
     lines = [f"## Quantized KV, {results['model']}", "",
              f"Sessions: {SESSION_TOKENS}-token sessions in {results['budget_bytes'] >> 30} GiB "
-             f"of KV. Perplexity: a held-out paragraph of {results['held_out_tokens']} tokens. "
-             f"Agreement: greedy answers of {results['prompts']} prompts over their first "
-             f"{results['tokens']} tokens, against float32 KV. x fp16: bytes per token against "
+             f"of KV. {quality} x fp16: bytes per token against "
              "float16 KV, the quantized ones with float16 scales (a float16 model's).", "",
              "| KV | bytes/token | x fp16 | 4k sessions | perplexity | change | identical | "
              "prefix share |", "|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         lines.append(f"| {r['kv']} | {r['bytes_per_token']:.0f} | {r['vs_fp16']} | "
-                     f"{r['sessions_4k']} | {r.get('perplexity', '')} | "
+                     f"{r['sessions_4k']} | {r.get('perplexity') or ''} | "
                      f"{r.get('perplexity_change', '')} | {r.get('identical', '')} | "
                      f"{r.get('prefix_share', '')} |")
+    hybrid = results.get("hybrid")
+    if hybrid:
+        lines += ["", *hybrid_markdown(hybrid)]
+    if not results["speed"]:
+        return "\n".join(lines) + "\n"
     lines += ["", f"Decode tok/s ({results['speed_tokens']} tokens per stream), quantized "
                   "against float32 KV, each pair run back to back:", "",
               "| streams | bits | float32 tok/s | quantized tok/s | ratio |", "|---|---|---|---|---|"]
     lines += [f"| {s['streams']} | {s['bits']} | {s['off_tok_s']} | {s['on_tok_s']} | "
               f"{s['ratio']}x |" for s in results["speed"]]
     return "\n".join(lines) + "\n"
+
+
+def hybrid_markdown(hybrid: dict[str, Any]) -> list[str]:
+    """The hybrid bench model's rows: bytes only (no perplexity or speed: random weights)."""
+    if "error" in hybrid:
+        return [f"Hybrid bench model: {hybrid['error']}"]
+    lines = [f"Hybrid bench model, {hybrid['model']} (random weights: bytes only). Its "
+             "attention layers' KV grows with every token and is what `--kv-bits` quantizes; "
+             "its recurrent layers hold a fixed state per sequence, kept as it is. Bytes per "
+             f"token of a {SESSION_TOKENS}-token session = attention per token + recurrent "
+             f"state / {SESSION_TOKENS}. x fp32: measured against float32; x fp16: against "
+             "float16, the quantized rows computed for a float16 model (float16 scales and "
+             "state).", "",
+             "| KV | attention bytes/token | recurrent bytes/sequence | bytes/token (4k "
+             "session) | attention share | x fp32 | x fp16 | 4k sessions |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in hybrid["rows"]:
+        lines.append(f"| {r['kv']} | {r['attention_bytes_per_token']:.0f} | "
+                     f"{r['recurrent_bytes_per_sequence']:.0f} | {r['bytes_per_token']:.0f} | "
+                     f"{r['attention_share']:.0%} | {r['vs_fp32']} | {r['vs_fp16']} | "
+                     f"{r['sessions_4k']} |")
+    counted = ", ".join(f"{r['kv']} {r['admission_bytes_per_token']}" for r in hybrid["rows"]
+                        if "admission_bytes_per_token" in r)
+    return [*lines, "", "Admission by live KV counts every layer of a hybrid as attention (an "
+                        f"over-estimate), bytes per token: {counted}."]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,14 +300,27 @@ def main(argv: list[str] | None = None) -> int:
                    help="perplexity over the paragraph's first N tokens (default: all)")
     p.add_argument("--home", type=Path, default=default_home(), help="mlxd home (conversions)")
     p.add_argument("--model", type=Path, default=None, help="an MLX folder (default SmolLM2)")
+    p.add_argument("--bytes-only", action="store_true",
+                   help="only the bytes per token rows (no perplexity, agreement or speed)")
+    p.add_argument("--no-hybrid", action="store_true",
+                   help="skip the hybrid bench model's bytes rows")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--tag", default="kv", help="result file names")
     args = p.parse_args(argv)
     folder = args.model or smollm2_float32(args.home)
     results = run(folder, args.prompts or (10 if args.quick else 50),
                   args.tokens or (32 if args.quick else 64),
-                  args.speed_tokens or (48 if args.quick else 128), args.held_out_tokens)
+                  args.speed_tokens or (48 if args.quick else 128), args.held_out_tokens,
+                  bytes_only=args.bytes_only)
+    if not args.no_hybrid:
+        from bench.agent_trace import hybrid_model
+
+        try:
+            results["hybrid"] = hybrid_rows(hybrid_model(args.home, smollm2_float32(args.home)))
+        except Exception as e:  # the SmolLM2 rows still count; the report says what failed
+            results["hybrid"] = {"error": f"{type(e).__name__}: {e}"}
     args.out.mkdir(parents=True, exist_ok=True)
-    write_report(args.out, "kv", results, markdown)
+    write_report(args.out, args.tag, results, markdown)
     return 0
 
 

@@ -14,7 +14,8 @@ earlier run would make the cold prefills warm), streamed chat requests, greedy:
    median TTFT of each state, the ratios, ``cached_tokens`` of each request, and
    ``mlxd_prefix_cache_disk_reads`` before and after each disk request (a disk row only
    counts when that counter rose and the RAM cache could not cover the prefix).
-2. **Admission** (``--memory-budget`` sized for a few sequences' KV), two servers:
+2. **Admission** (``--memory-budget``: weights + prefix cache + the model's transient
+   reserve + KV for a few sequences), two servers:
    ``limited``: N long prompts (2-3k tokens, each different) at once, ``max_tokens``
    each (a grant holds prompt + output limit from the start, so the ones that do not
    fit wait in the queue); ``unlimited``: N/2 1k-token prompts with no ``max_tokens``
@@ -22,9 +23,10 @@ earlier run would make the cold prefills warm), streamed chat requests, greedy:
    at a time while the answers run, so the newest sequences are preempted and resumed).
    The server's RSS (the process and its children, ``VmRSS``) is sampled every 50 ms and
    ``/metrics`` every 0.5 s. Reported: peak RSS against the budget and against the
-   budget plus the stated margin (``--margin-mib``: what the process may hold outside
-   the budget, Python, the tokenizer, the HTTP stack and MLX's allocator; the idle RSS
-   over the model's accounted bytes is printed next to it), the status of every request
+   budget plus the stated margin (``--margin-mib``, 256: what the process may hold
+   outside the budget, Python, the tokenizer, the HTTP stack and MLX's allocator; the
+   idle RSS over the model's accounted bytes is printed next to it), met or not met, the
+   status of every request
    (all 200, none lost), ``mlxd_kv_preemptions``, the most ``mlxd_kv_waiting_for_memory``
    seen, the peak live KV bytes and the allowance.
 
@@ -257,16 +259,29 @@ async def _flood(target: Target, sizes: list[int], seed: int,
                                            for i, b in enumerate(bodies))))
 
 
+def transient_reserve(config: dict[str, Any]) -> int:
+    """The transient reserve the server will count for the model (``mlxd serve``'s defaults:
+    ``--prefill-step-size`` 2048, on CPU in chunks of 256, ``--max-num-seqs`` 16), the figure
+    ``/v1/models`` shows as ``transient_reserve_bytes``."""
+    from mlxd.engines.kernels.prefill import cpu_prefill_chunk
+    from mlxd.models.memory import text_transient_bytes
+
+    return text_transient_bytes(config, cpu_prefill_chunk(2048), prefill_rows=16,
+                                decode_rows=16, dtype_bytes=4)
+
+
 def flood(folder: Path, args: argparse.Namespace, env: dict[str, str], log_dir: Path,
           name: str, sizes: list[int], max_tokens: int | None, kv_tokens: int,
           *extra: str) -> dict[str, Any]:
     """A server whose budget leaves ``kv_tokens`` tokens of KV gets every prompt at once."""
     from mlxd.models.memory import kv_bytes_per_token, weights_bytes_of_folder
 
-    per_token = kv_bytes_per_token(json.loads((folder / "config.json").read_text()), 4)
+    config = json.loads((folder / "config.json").read_text())
+    per_token = kv_bytes_per_token(config, 4)
     weights = weights_bytes_of_folder(folder)
     prefix = args.admission_prefix_mib * MIB
-    budget = weights + prefix + kv_tokens * per_token
+    transient = transient_reserve(config)
+    budget = weights + prefix + transient + kv_tokens * per_token
     port = free_port()
     with tempfile.TemporaryDirectory() as home:
         spec = ServerSpec(f"mlxd-{name}", serve_argv(
@@ -280,6 +295,7 @@ def flood(folder: Path, args: argparse.Namespace, env: dict[str, str], log_dir: 
             idle_rss = rss_bytes(srv.pid)
             models = httpx.get(srv.url + "/v1/models", timeout=30, trust_env=False).json()
             held = sum(int(m.get("memory_bytes") or 0) for m in models["data"])
+            served = sum(int(m.get("transient_reserve_bytes") or 0) for m in models["data"])
             start = time.monotonic()
             with Sampler(srv.pid, srv.url) as sampler:
                 results = asyncio.run(_flood(target, sizes, 41000, max_tokens))
@@ -299,6 +315,7 @@ def flood(folder: Path, args: argparse.Namespace, env: dict[str, str], log_dir: 
            "lost": sum(1 for r in results if not r.ok),
            "http_5xx": sum(1 for r in results if (r.status or 0) >= 500),
            "budget_bytes": budget, "weights_bytes": weights, "prefix_cache_bytes": prefix,
+           "transient_reserve_bytes": transient, "transient_reserve_served": served,
            "kv_tokens_room": kv_tokens, "kv_bytes_per_token": per_token,
            "margin_bytes": margin, "idle_rss_bytes": idle_rss, "model_bytes_idle": held,
            "outside_budget_idle_bytes": idle_rss - held,
@@ -359,29 +376,39 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"Disk tier: {d['error']}", ""]
     a = results.get("admission")
     if a and "error" not in a:
+        margin = a["rows"][0]["margin_bytes"] // MIB if a["rows"] else 0
         lines += ["Admission: every prompt sent at once to a server whose budget = weights + "
-                  "prefix cache + KV for the tokens below; the margin is what the process may "
-                  "hold outside the budget (Python, tokenizer, HTTP, MLX's allocator); idle: "
-                  "that process's RSS over the bytes it accounts to the model after one "
-                  "request.", "",
-                  "| run | prompts (tokens) | max_tokens | KV room tokens | budget MiB | idle "
-                  "outside budget MiB | peak RSS MiB | peak - budget MiB | <= budget + margin "
-                  "| statuses | lost | 5xx | preemptions | max waiting for memory | peak live "
-                  "KV MiB | allowance MiB | most running / queued | seconds |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "prefix cache + transient reserve (what one step holds beyond the live KV, "
+                  "`transient_reserve_bytes`) + KV for the tokens below. Target: peak RSS <= "
+                  f"budget + a margin of {margin} MiB, what the process holds outside the "
+                  "budget (Python, tokenizer, HTTP stack, MLX's allocator cache); idle: that "
+                  "process's RSS over the bytes it accounts to the model after one request.",
+                  "",
+                  "| run | prompts (tokens) | max_tokens | KV room tokens | budget MiB | "
+                  "transient reserve MiB | idle outside budget MiB | peak RSS MiB | peak - "
+                  "budget MiB | target | statuses | lost | 5xx | preemptions | max waiting for "
+                  "memory | peak live KV MiB | allowance MiB | most running / queued | seconds |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in a["rows"]:
             toks = [t for t in r["prompt_tokens"] if t]
+            met = "met" if r["under_budget_plus_margin"] else "**not met**"
             lines.append(
                 f"| {r['name']} | {r['requests']} ({min(toks, default=0)}-"
                 f"{max(toks, default=0)}) | {r['max_tokens'] or 'none'} | "
                 f"{r['kv_tokens_room']} | {r['budget_bytes'] // MIB} | "
+                f"{r.get('transient_reserve_bytes', 0) / MIB:.1f} | "
                 f"{r['outside_budget_idle_bytes'] // MIB} | {r['peak_rss_bytes'] // MIB} | "
-                f"{r['peak_over_budget_bytes'] // MIB} | {r['under_budget_plus_margin']} "
-                f"({r['margin_bytes'] // MIB}) | {r['statuses']} | {r['lost']} | "
+                f"{r['peak_over_budget_bytes'] // MIB} | {met} (+{r['margin_bytes'] // MIB}) | "
+                f"{r['statuses']} | {r['lost']} | "
                 f"{r['http_5xx']} | {int(r['preemptions'])} | "
                 f"{int(r['max_waiting_for_memory'])} | {int(r['peak_live_kv_bytes']) // MIB} | "
                 f"{int(r['allowance_bytes']) // MIB} | {int(r['max_running'])} / "
                 f"{int(r.get('max_queued', 0))} | {r['seconds']} |")
+        kept = all(r["all_ok"] and not r["lost"] for r in a["rows"])
+        under = all(r["under_budget_plus_margin"] for r in a["rows"])
+        lines += ["", f"Peak RSS under budget + {margin} MiB in every run: "
+                      f"{'met' if under else 'NOT MET'}; every request completed: "
+                      f"{'yes' if kept else 'NO'}."]
     elif a:
         lines += [f"Admission: {a['error']}"]
     return "\n".join(lines) + "\n"
@@ -412,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="admission: KV tokens the budget leaves beside weights and prefix cache")
     p.add_argument("--admission-prefix-mib", type=int, default=128,
                    help="admission: --prefix-cache-bytes in MiB")
-    p.add_argument("--margin-mib", type=int, default=1024,
+    p.add_argument("--margin-mib", type=int, default=256,
                    help="admission: what the process may hold outside the budget")
     p.add_argument("--no-preemption", action="store_true",
                    help="admission: skip the run without max_tokens (preemptions)")

@@ -169,7 +169,10 @@ def run_agent_trace(args: argparse.Namespace) -> dict[str, Any]:
     """``bench/agent_trace.py`` (its own results: ``agent_trace.md``); shorter with --quick."""
     from bench import agent_trace
 
-    argv = ["--servers", args.servers, "--home", str(args.home), "--out", str(args.out)]
+    servers = args.servers
+    if args.agent_trace_kv_bits and "mlxd" in servers.split(","):  # mlxd with --kv-bits beside
+        servers += f",mlxd-kv{args.agent_trace_kv_bits}"
+    argv = ["--servers", servers, "--home", str(args.home), "--out", str(args.out)]
     if args.quick:
         argv += ["--turns", "4", "--max-tokens", "64", "--tag", "agent_trace_quick"]
     return {"exit_code": agent_trace.main(argv)}
@@ -276,6 +279,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--embeddings", action="store_true", help="also run bench/embeddings.py")
     p.add_argument("--no-agent-trace", action="store_true",
                    help="skip the agent trace (bench/agent_trace.py)")
+    p.add_argument("--agent-trace-kv-bits", type=int, choices=(0, 4, 8), default=8,
+                   help="the agent trace also runs mlxd with --kv-bits N (row mlxd-kvN); "
+                        "0: not")
     p.add_argument("--no-vision", action="store_true",
                    help="skip the vision benchmark (bench/vision.py)")
     p.add_argument("--no-speculative", action="store_true",

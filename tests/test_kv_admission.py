@@ -27,12 +27,25 @@ PREFIX_CACHE_BYTES = 1 << 20
 CONTEXT = 768  # --max-context: every request here runs to the end of it
 
 
-def kv_server(model: Path, home: Path, kv_tokens: int, **kw: object) -> Iterator[RunningServer]:
-    """A server whose budget leaves the model about ``kv_tokens`` tokens of KV."""
-    budget = weights_bytes_of_folder(model) + PREFIX_CACHE_BYTES + kv_tokens * BYTES_PER_TOKEN
+def transient_of(model: Path, max_num_seqs: int = 16) -> int:
+    """The transient reserve the engine counts for ``model`` (CPU: prefill chunks of 256)."""
+    from mlxd.engines.kernels.prefill import cpu_prefill_chunk
+    from mlxd.models.memory import read_config, text_transient_bytes
+
+    return text_transient_bytes(read_config(model), cpu_prefill_chunk(2048),
+                                prefill_rows=max_num_seqs, decode_rows=max_num_seqs)
+
+
+def kv_server(model: Path, home: Path, kv_tokens: int, transient: bool = True,
+              max_num_seqs: int = 16, **kw: object) -> Iterator[RunningServer]:
+    """A server whose budget leaves the model about ``kv_tokens`` tokens of KV (beside its
+    transient reserve, or without room for it when ``transient`` is False)."""
+    reserve = transient_of(model, max_num_seqs) if transient else 0
+    budget = (weights_bytes_of_folder(model) + PREFIX_CACHE_BYTES + reserve
+              + kv_tokens * BYTES_PER_TOKEN)
     cfg = tiny_config(model, home, served_model_name="tiny", memory_budget=str(budget),
                       prefix_cache_bytes=PREFIX_CACHE_BYTES, kv_reserve_tokens=64,
-                      enable_prefix_cache_persist=False, **kw)
+                      enable_prefix_cache_persist=False, max_num_seqs=max_num_seqs, **kw)
     with running_server(cfg) as srv:
         yield srv
 
@@ -95,6 +108,36 @@ def test_never_fitting_request_is_refused_with_the_numbers(small_server: Running
     assert reason == "length" and text
 
 
+@pytest.fixture(scope="module")
+def no_transient_server(tiny_model: Path, test_home: Path) -> Iterator[RunningServer]:
+    # weights + prefix cache + 300 tokens of KV: no room for the transient reserve
+    yield from kv_server(tiny_model, test_home, kv_tokens=300, transient=False)
+
+
+def test_a_budget_without_room_for_the_transient_reserve_refuses_with_the_numbers(
+        no_transient_server: RunningServer, tiny_model: Path) -> None:
+    """A request whose KV fits beside the weights and prefix cache is refused when what a
+    step holds beyond the KV (prefill activations, logits) does not fit too; the message,
+    ``/v1/models`` and ``/metrics`` name the same reserve."""
+    srv = no_transient_server
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=prompt_of(0), max_tokens=20)
+    message = e.value.message
+    found = re.search(r"KV memory for (\d+) tokens .* = (\d+) bytes, more than this model's "
+                      r"KV allowance of (\d+) bytes \(memory budget (\d+) less its weights "
+                      r"(\d+), prefix cache (\d+) and transient reserve (\d+)\)", message)
+    assert found, message
+    tokens, need, allowance, budget, weights, prefix, transient = map(int, found.groups())
+    assert tokens < 300 and prefix == PREFIX_CACHE_BYTES
+    assert need <= budget - weights - prefix  # it would fit if the transient were not counted
+    assert allowance == max(0, budget - weights - prefix - transient) < need
+    assert transient == transient_of(tiny_model) > 300 * BYTES_PER_TOKEN
+    card = httpx.get(srv.url + "/v1/models/tiny", timeout=30).json()
+    assert card["transient_reserve_bytes"] == transient
+    assert kv_metrics(srv)["mlxd_kv_transient_reserve_bytes"] == transient
+
+
 def test_long_requests_together_all_complete_within_the_allowance(
         busy_server: RunningServer) -> None:
     before = kv_metrics(busy_server)
@@ -141,7 +184,8 @@ def test_a_second_model_shrinks_the_first_models_allowance(
     from tests.helpers.retrieval import registry_config
 
     budget = (weights_bytes_of_folder(tiny_model) + weights_bytes_of_folder(tiny_model_b)
-              + 2 * PREFIX_CACHE_BYTES + 2000 * BYTES_PER_TOKEN)
+              + 2 * PREFIX_CACHE_BYTES + transient_of(tiny_model) + transient_of(tiny_model_b)
+              + 2000 * BYTES_PER_TOKEN)
     entries = [ModelEntry(name="tiny", source=str(tiny_model)),
                ModelEntry(name="tiny-b", source=str(tiny_model_b))]
     cfg = registry_config(tmp_path / "models.yaml", entries, tmp_path / "home",

@@ -43,6 +43,28 @@ def release_free_memory() -> None:
             pass
 
 
+# glibc's mallopt parameter, and the size from which MLX's buffers get mappings of their own
+M_MMAP_THRESHOLD = -3
+MAP_BUFFERS_FROM = 1 << 20
+
+
+def map_large_buffers(threshold: int = MAP_BUFFERS_FROM) -> None:
+    """(Linux, glibc) Give every buffer of ``threshold`` bytes or more a mapping of its
+    own, returned to the OS when it is freed. By default glibc raises its mmap threshold
+    to the size of the largest buffer freed (up to 32 MiB), after which buffers below it
+    come from its heap, where freed memory stays in the process: KV buffers that grow 256
+    tokens at a time and are copied as rows join and leave the batch leave holes later
+    buffers do not fit, and RSS grew ~0.8x the live KV past what MLX holds
+    (``bench/kv_transient.py``). A fixed threshold turns that off. Process-wide and
+    idempotent; a no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold)
+    except (OSError, AttributeError):
+        pass
+
+
 def release_thread_memory() -> None:
     """On a model's worker thread once its engine closed: collect the engine's cycles,
     wait for its stream's last work, and give the freed memory back to the OS."""

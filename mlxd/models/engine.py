@@ -57,6 +57,7 @@ class KVStats:
     preemptions: int = 0
     waiting_for_memory: int = 0  # queued sequences that the allowance holds back now
     bytes_per_token: int = 0  # KV one token takes (quantized: its bits, scales and biases)
+    transient_bytes: int = 0  # what one step holds beyond the live KV (counted, reserved)
 
 
 @dataclass(frozen=True)

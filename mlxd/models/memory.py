@@ -95,6 +95,30 @@ def kv_bytes_per_token(config: dict[str, Any], dtype_bytes: int = 4, kv_bits: in
     return values * kv_bits // 8 + values // kv_group_size * 2 * dtype_bytes
 
 
+def text_transient_bytes(config: dict[str, Any], prefill_tokens: int, *, prefill_rows: int = 1,
+                         decode_rows: int = 1, dtype_bytes: int = 4) -> int:
+    """What one scheduler step of a text model holds beyond its weights and live KV.
+
+    A prefill chunk (``prefill_rows`` prompts of ``prefill_tokens`` each, prefilled
+    together): one layer's activations at a time, about four hidden-size and three
+    intermediate-size values per token (hidden state, norm, projections; the MLP's gate,
+    up and product) in the model's dtype, and one head's attention scores per row over
+    the chunk (float32). A decode step: the logits of ``decode_rows`` rows in float32,
+    three times (logits, log-probs, a processed copy). 0 when the config lacks the sizes.
+    """
+    cfg = config.get("text_config") or config
+    hidden = int(cfg.get("hidden_size") or cfg.get("n_embd") or 0)
+    if not hidden:
+        return 0
+    inter = int(cfg.get("intermediate_size") or 4 * hidden)
+    vocab = int(cfg.get("vocab_size") or config.get("vocab_size") or 0)
+    tokens = max(1, prefill_rows) * max(1, prefill_tokens)
+    activations = tokens * (4 * hidden + 3 * inter) * dtype_bytes
+    scores = max(1, prefill_rows) * prefill_tokens * prefill_tokens * 4
+    logits = 3 * max(1, decode_rows) * vocab * 4
+    return activations + scores + logits
+
+
 def encoder_activation_bytes(config: dict[str, Any], batch_tokens: int,
                              dtype_bytes: int = 4) -> int:
     """Peak activations of one padded encoder batch (embedding / rerank models).

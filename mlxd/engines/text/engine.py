@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import mlx.core as mx
 
 from mlxd.engines.base import Tokenized
-from mlxd.engines.device import weights_nbytes
+from mlxd.engines.device import map_large_buffers, weights_nbytes
 from mlxd.engines.kernels.prefill import (
     PrefillAttention,
     cpu_prefill_chunk,
@@ -31,7 +31,7 @@ from mlxd.engines.kernels.prefill import (
 from mlxd.engines.text.draft import DraftModel, load_draft_model, plain_kv
 from mlxd.engines.text.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
 from mlxd.engines.text.input_processor import InputLimits, InputProcessor, PreparedPrompt
-from mlxd.engines.text.kv_admission import KVLedger, kv_ledger
+from mlxd.engines.text.kv_admission import HeldBeside, KVLedger, cache_dtype_bytes, kv_ledger
 from mlxd.engines.text.lora import AdapterSet, attach_adapters
 from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder, LMSerialDecoder
 from mlxd.engines.text.prefix_cache import PrefixCache, model_identity
@@ -62,6 +62,7 @@ from mlxd.generation.reasoning import ReasoningFormat, reasoning_format
 from mlxd.generation.tools import ToolCallFormat
 from mlxd.models.adapters import AdapterError, read_adapter
 from mlxd.models.engine import EngineFacts, EngineStats, PrefixCacheStats
+from mlxd.models.memory import text_transient_bytes
 from mlxd.runtime.distributed import GroupOptions
 from mlxd.runtime.worker import ModelWorker
 
@@ -144,6 +145,7 @@ class MLXLanguageModel:
         self.vocab_size = 0  # token ids a client may send: [0, vocab_size)
         self._prepare_slots = asyncio.Semaphore(PREPARE_CONCURRENCY)
         self.kv: KVLedger | None = None  # admission by live KV, under a memory budget
+        self._transient_bytes = 0  # what one step holds beyond the live KV, reserved
         self.kv_quantization: KVQuantization | None = None  # --kv-bits, checked at load
 
     # -- lifecycle (worker thread) -----------------------------------------
@@ -151,6 +153,7 @@ class MLXLanguageModel:
         from mlx_lm.models.cache import make_prompt_cache
 
         lm_internals.ADAPTER.require(self.name)
+        map_large_buffers()  # freed KV buffers go back to the OS, not to glibc's heap
         try:
             model, tokenizer, config = self._load_model()
         except Exception as e:
@@ -175,8 +178,8 @@ class MLXLanguageModel:
                                          and not is_trimmable(probe_cache))
         self.draft = self._load_draft(probe_cache)
         self.scheduler = self._scheduler(model, probe_cache)
-        self.kv = kv_ledger(model, config, self.worker.budget,
-                            lambda: self._weights_bytes + self.options.prefix_cache_bytes,
+        self._transient_bytes = self._transient(model, config)
+        self.kv = kv_ledger(model, config, self.worker.budget, self._held_beside_kv,
                             self.options.kv_output_estimate, self.kv_quantization)
         if isinstance(self.scheduler, BatchScheduler):
             self.scheduler.kv = self.kv
@@ -185,6 +188,21 @@ class MLXLanguageModel:
             restored = self.prefix_cache.restore(self.options.prefix_cache_dir)
             if restored:
                 log.info("model %s: restored %d prefix cache entries", self.name, restored)
+
+    def _transient(self, model: Any, config: dict[str, Any]) -> int:
+        """What one step of this model's scheduler holds beyond the live KV: a prefill chunk
+        of every row prefilled together, a decode step's logits (``text_transient_bytes``)."""
+        sched = self.scheduler
+        prefill_rows = decode_rows = 1  # the serial scheduler: one sequence
+        if isinstance(sched, BatchScheduler) and isinstance(sched.decoder, LMBatchDecoder):
+            prefill_rows, decode_rows = sched.decoder.prefill_rows, sched.max_num_seqs
+        return text_transient_bytes(config, cpu_prefill_chunk(self.options.prefill_step_size),
+                                    prefill_rows=prefill_rows, decode_rows=decode_rows,
+                                    dtype_bytes=cache_dtype_bytes(model))
+
+    def _held_beside_kv(self) -> HeldBeside:
+        return HeldBeside(self._weights_bytes, self.options.prefix_cache_bytes,
+                          self._transient_bytes)
 
     def _kv_quantization(self, model: Any, probe_cache: list[Any]) -> KVQuantization | None:
         """``--kv-bits`` for this model, checked: every attention layer keeps a plain KV
@@ -372,8 +390,10 @@ class MLXLanguageModel:
             total += self.prefix_cache.nbytes
         sched = self.scheduler
         if isinstance(sched, BatchScheduler):
-            # the KV granted to running sequences is held for them, grown into or not
-            total += max(sched.cache_nbytes(), self.kv.granted_bytes() if self.kv else 0)
+            # the KV granted to running sequences is held for them, grown into or not, and
+            # while any run, what a step holds beyond it
+            live = max(sched.cache_nbytes(), self.kv.granted_bytes() if self.kv else 0)
+            total += live + (self._transient_bytes if live else 0)
         return total
 
     def describe(self) -> dict[str, Any]:
@@ -385,6 +405,7 @@ class MLXLanguageModel:
             "reasoning_parser": self.reasoning.name if self.reasoning else None,
             "tool_call_parser": self.tool_format.name if self.tool_format else None,
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0,
+            "transient_reserve_bytes": self._transient_bytes,
             "kv_bits": self.kv_quantization.bits if self.kv_quantization else None,
             "kv_group_size": (self.kv_quantization.group_size if self.kv_quantization
                               else None),

@@ -13,9 +13,11 @@ context, is where it stops.
 
 Bytes are tokens x ``bytes_per_token`` (K and V of every attention layer at the cache's
 dtype). The allowance is the memory budget less what other models hold (read from the
-``ModelManager`` through the worker's ``budget`` callback), this model's weights and
-its prefix cache's cap. A request whose prompt and output limit exceed the allowance
-with no other model loaded can never run: it is refused at once with the numbers.
+``ModelManager`` through the worker's ``budget`` callback), this model's weights, its
+prefix cache's cap and its transient reserve (``models/memory.py``'s
+``text_transient_bytes``: what one step holds beyond the live KV). A request whose
+prompt and output limit exceed the allowance with no other model loaded can never run:
+it is refused at once with the numbers.
 
 The counts are the scheduler's own: the batch buffer underneath rounds rows up and
 pads them to the longest (``Decoder.cache_nbytes`` reports those bytes), which the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from mlxd.engines.text.input_processor import PreparedPrompt
@@ -40,16 +43,30 @@ OUTPUT_ESTIMATE = 1024
 GROW_TOKENS = 256
 
 
+@dataclass(frozen=True)
+class HeldBeside:
+    """What a model holds beside its sequences' KV, under the same budget."""
+
+    weights: int
+    prefix_cache: int  # the prefix cache's cap
+    transient: int  # what one step holds beyond the live KV (text_transient_bytes)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.prefix_cache + self.transient
+
+
 class KVLedger:
     """Grants of KV per running sequence, against an allowance (worker thread; ``stats``
     from any thread)."""
 
     def __init__(self, bytes_per_token: int, budget: Callable[[], tuple[int, int]],
-                 own_bytes: Callable[[], int], output_estimate: int = OUTPUT_ESTIMATE) -> None:
+                 own_bytes: Callable[[], HeldBeside],
+                 output_estimate: int = OUTPUT_ESTIMATE) -> None:
         self.bytes_per_token = max(1, bytes_per_token)
         self.output_estimate = max(1, output_estimate)
         self._budget = budget  # (budget, bytes other models hold)
-        self._own = own_bytes  # this model's weights and prefix cache cap
+        self._own = own_bytes  # this model's weights, prefix cache cap and transient reserve
         self._grants: dict[str, int] = {}  # seq_id -> granted tokens
         self._held: dict[str, int] = {}  # seq_id -> held tokens at the last check
         self._lock = threading.Lock()
@@ -62,13 +79,17 @@ class KVLedger:
     def allowance_alone(self) -> int:
         """KV bytes this model may hold with no other model loaded."""
         budget, _ = self._budget()
-        return max(0, budget - self._own())
+        return max(0, budget - self._own().total)
 
     def allowance(self) -> int:
         """KV bytes this model may hold beside the other models loaded now."""
         budget, others = self._budget()
-        self._allowance = max(0, budget - others - self._own())
+        self._allowance = max(0, budget - others - self._own().total)
         return self._allowance
+
+    @property
+    def transient_bytes(self) -> int:
+        return self._own().transient
 
     # -- per request --------------------------------------------------------
     def refuse_never_fitting(self, prompt: PreparedPrompt) -> None:
@@ -77,15 +98,18 @@ class KVLedger:
         n_prompt = len(prompt.tokens)
         output = 1 if prompt.context_limited else prompt.max_tokens
         tokens = n_prompt + output
-        allowance = self.allowance_alone()
+        budget, _ = self._budget()
+        own = self._own()
+        allowance = max(0, budget - own.total)
         if tokens * self.bytes_per_token <= allowance:
             return
         raise InvalidRequest(
             f"This request needs KV memory for {tokens} tokens ({n_prompt} prompt + {output} "
             f"output) x {self.bytes_per_token} bytes per token = "
             f"{tokens * self.bytes_per_token} bytes, more than this model's KV allowance of "
-            f"{allowance} bytes (memory budget less its weights and prefix cache). Shorten "
-            f"the prompt, lower max_tokens, or raise --memory-budget.",
+            f"{allowance} bytes (memory budget {budget} less its weights {own.weights}, "
+            f"prefix cache {own.prefix_cache} and transient reserve {own.transient}). "
+            f"Shorten the prompt, lower max_tokens, or raise --memory-budget.",
             param="max_tokens" if not prompt.context_limited else "messages",
             code="kv_memory_exceeded")
 
@@ -172,7 +196,7 @@ class KVLedger:
                        peak_live_bytes=self.peak_live_tokens * bpt,
                        allowance_bytes=self._allowance, preemptions=self.preemptions,
                        waiting_for_memory=self.waiting_for_memory,
-                       bytes_per_token=bpt)
+                       bytes_per_token=bpt, transient_bytes=self.transient_bytes)
 
 
 def cache_dtype_bytes(model: Any) -> int:
@@ -189,7 +213,7 @@ def cache_dtype_bytes(model: Any) -> int:
 
 
 def kv_ledger(model: Any, config: dict[str, Any], budget: Callable[[], tuple[int, int]] | None,
-              own_bytes: Callable[[], int],
+              own_bytes: Callable[[], HeldBeside],
               output_estimate: int = OUTPUT_ESTIMATE,
               quantized: KVQuantization | None = None) -> KVLedger | None:
     """The ledger of a model served under a memory budget (None without one). Bytes per

@@ -93,6 +93,11 @@ class LMBatchDecoder:
         return gen
 
     @property
+    def prefill_rows(self) -> int:
+        """Prompts prefilled together, each a chunk per step."""
+        return min(self._prefill_batch_size, self._max_num_seqs)
+
+    @property
     def speculation(self) -> str:
         """How this decoder drafts: ``draft`` (a draft model), ``prompt-lookup`` or ``off``
         (also for a model whose caches cannot be rewound after a rejected draft)."""

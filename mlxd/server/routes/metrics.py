@@ -142,6 +142,10 @@ class _KVGauges:
         self.per_token = GaugeMetricFamily("mlxd_kv_bytes_per_token", "KV bytes one token "
                                            "takes (at --kv-bits when quantized)",
                                            labels=["model"])
+        self.transient = GaugeMetricFamily("mlxd_kv_transient_reserve_bytes", "Bytes the "
+                                           "budget reserves for what one step holds beyond "
+                                           "the live KV (activations, logits, copies)",
+                                           labels=["model"])
 
     def add(self, model: str, stats: KVStats) -> None:
         self.live.add_metric([model], stats.live_bytes)
@@ -151,10 +155,11 @@ class _KVGauges:
         self.preemptions.add_metric([model], stats.preemptions)
         self.waiting.add_metric([model], stats.waiting_for_memory)
         self.per_token.add_metric([model], stats.bytes_per_token)
+        self.transient.add_metric([model], stats.transient_bytes)
 
     def families(self) -> list[Any]:
         return [self.live, self.granted, self.peak, self.allowance, self.preemptions,
-                self.waiting, self.per_token]
+                self.waiting, self.per_token, self.transient]
 
 
 class _GroupGauges:
