@@ -291,9 +291,8 @@ def decode_batch(model: Any, mels: list[mx.array], options: Any,
             left = np.asarray(self.ends[: len(rows)]) - np.maximum(stamps, 0.0) > SPEECH_LEFT_S
             if not left.any():
                 return logits
-            mask = np.zeros((len(rows), logits.shape[-1]), np.float32)
-            mask[left, self.eot] = -np.inf
-            return logits + mx.array(mask)
+            eot = mx.arange(logits.shape[-1]) == self.eot
+            return mx.where(mx.array(left)[:, None] & eot[None, :], -mx.inf, logits)
 
     def decode(model: Any, mel: mx.array, options: Any, ends: list[float] | None) -> Any:
         task = DecodingTask(model, options)
