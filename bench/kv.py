@@ -354,7 +354,7 @@ def study_perplexity(model: Any, tokens: list[int], layout: Layout, fp_prefix: i
         picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
         nll += cast(list[float], (-picked[:, 0]).tolist())
     tail = nll[TAIL_FROM:]
-    return math.exp(sum(nll) / len(nll)), math.exp(sum(tail) / max(1, len(tail)))
+    return math.exp(sum(nll) / len(nll)), math.exp(sum(tail) / len(tail)) if tail else math.nan
 
 
 def study_greedy(model: Any, chats: list[list[int]], n_tokens: int, eos: set[int],
@@ -421,7 +421,8 @@ def fp_prefix_study(folder: Path, prefixes: list[int], n_prompts: int, n_tokens:
     (ppl_full, tail_full) = base[0]
     rows: list[dict[str, Any]] = [{"kv": full.name, "fp_prefix": None,
                                    "perplexity": round(ppl_full, 3),
-                                   "tail_perplexity": round(tail_full, 3),
+                                   "tail_perplexity": None if math.isnan(tail_full)
+                                   else round(tail_full, 3),
                                    "bytes_per_token_fp16": 2 * _kv_values(folder) * 2,
                                    "session_vs_fp16": 1.0}]
     for layout in STUDY_LAYOUTS:  # perplexity first: seconds each
@@ -436,7 +437,8 @@ def fp_prefix_study(folder: Path, prefixes: list[int], n_prompts: int, n_tokens:
                          "change_mean": round(sum(change) / len(change), 4),
                          "change_min": round(min(change), 4),
                          "change_max": round(max(change), 4),
-                         "tail_change_mean": round(sum(tail) / len(tail), 4),
+                         **({} if math.isnan(tail[0]) else
+                            {"tail_change_mean": round(sum(tail) / len(tail), 4)}),
                          "bytes_per_token_fp16": round(
                              2 * _kv_values(folder) * layout.fp16_bytes_per_value()),
                          "session_vs_fp16": round(session_vs_fp16(layout, n), 2)})
@@ -508,10 +510,11 @@ def fp_prefix_markdown(results: dict[str, Any]) -> str:
              "N: positions of each sequence kept full precision. bytes/token: a float16 "
              f"model's (float16 scales); x fp16 ({SESSION_TOKENS // 1024}k): a "
              f"{SESSION_TOKENS}-token session's KV at float16 against with N tokens float16.",
-             f"Change: against float32 KV at the same chunking; chunk {results['chunks'][0]} "
+             "", f"Change: against float32 KV at the same chunking; chunk {results['chunks'][0]} "
              f"(the perplexity shown), then the mean [min, max] over prefill chunks of "
              f"{', '.join(map(str, results['chunks']))} tokens (only the float accumulation "
-             "order differs between them: their spread is the measure's noise). Tail: the "
+             "order differs between them: their spread is a floor on the measure's noise). Tail: "
+             "the "
              f"tokens predicted at positions {results['tail_from']} on, mean change.",
              "", "| KV | N | perplexity | change | change, mean [min, max] | tail change | "
              "identical | prefix share | bytes/token | x fp16 (4k) |",
@@ -520,10 +523,15 @@ def fp_prefix_markdown(results: dict[str, Any]) -> str:
         n = "" if r["fp_prefix"] is None else r["fp_prefix"]
         spread = (f"{r['change_mean']:+.1%} [{r['change_min']:+.1%}, {r['change_max']:+.1%}]"
                   if "change_mean" in r else "")
-        lines.append(f"| {r['kv']} | {n} | {r['perplexity']} | "
-                     f"{r.get('perplexity_change', '')} | {spread} | "
-                     f"{r.get('tail_change_mean', '')} | {r.get('identical', '')} | "
-                     f"{r.get('prefix_share', '')} | {r['bytes_per_token_fp16']} | "
+        def pct(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key]:+.1%}" if key in r else ""
+
+        same = (f"{round(r['identical'] * results['prompts'])} of {results['prompts']}"
+                if "identical" in r else "")
+        share = f"{r['prefix_share']:.0%}" if "prefix_share" in r else ""
+        lines.append(f"| {r['kv']} | {n} | {r['perplexity']:.2f} | "
+                     f"{pct('perplexity_change')} | {spread} | {pct('tail_change_mean')} | "
+                     f"{same} | {share} | {r['bytes_per_token_fp16']:,} | "
                      f"{r['session_vs_fp16']} |")
     lines += ["", "Simulation (N = 0) against mlx-lm's `QuantizedKVCache`:", "",
               "| KV | real perplexity | simulated | difference | max logit difference |",
