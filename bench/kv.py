@@ -16,6 +16,14 @@ bench``). Reported:
 - decode tok/s at 1 and 8 streams with quantized KV against without, each pair run one
   right after the other (``bench/speculative.py``'s timed decode).
 
+``--fp-prefix 0,1,4,16,64`` runs a study instead (issue 29: should the first tokens of a
+prompt stay full precision?): for 8 and 4 bits, 4 bits at group 32, keys 8 / values 4 and
+keys at group 32, the held-out perplexity (at four prefill chunkings: their spread is the
+measure's noise) and greedy agreement with the first N positions of every sequence kept
+full precision and the rest rounded as quantized storage holds them
+(``mx.dequantize(mx.quantize(x))``, a study cache in this file, checked against mlx-lm's
+``QuantizedKVCache`` at N = 0). Results: ``bench/results/kv-fp-prefix.{json,md}``.
+
 Results: ``bench/results/kv.{json,md}``. In-process: no OpenBLAS preload unless the caller
 set ``LD_PRELOAD``.
 """
@@ -23,11 +31,13 @@ set ``LD_PRELOAD``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bench.servers import write_report
 
@@ -230,6 +240,236 @@ def run(folder: Path, n_prompts: int, n_tokens: int, speed_tokens: int,
             "budget_bytes": KV_BUDGET, "rows": rows, "speed": speed, "bytes_only": bytes_only}
 
 
+# --- Full-precision first tokens (``--fp-prefix``) ---------------------------------------
+
+TAIL_FROM = 128  # the tail perplexity's first predicted position (past every prefix but 128)
+# Prefill chunkings the perplexity is measured with: the same tokens and the same rounding
+# rule, only the float accumulation order differs, and 4-bit rounding amplifies that (a
+# value near a level boundary flips), so their spread is the measure's own noise.
+PPL_CHUNKS = (64, 48, 32, 16)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a study cache stores K and V past its first ``fp_prefix`` positions: keys at
+    ``k_bits``, values at ``v_bits`` (None: full precision), one scale and bias per
+    ``group_size`` values (``v_group_size`` for values, when it differs)."""
+
+    k_bits: int | None
+    v_bits: int | None
+    group_size: int = 64
+    v_group_size: int | None = None
+
+    @property
+    def v_group(self) -> int:
+        return self.v_group_size or self.group_size
+
+    @property
+    def name(self) -> str:
+        if self.k_bits is None and self.v_bits is None:
+            return "float32"
+        if (self.k_bits, self.group_size) == (self.v_bits, self.v_group):
+            return f"{self.k_bits}-bit (group {self.group_size})"
+        return (f"K {self.k_bits}-bit g{self.group_size} / "
+                f"V {self.v_bits}-bit g{self.v_group}")
+
+    def fp16_bytes_per_value(self) -> float:
+        """Mean bytes of one quantized K or V value of a float16 model (float16 scales)."""
+        def one(bits: int | None, group: int) -> float:
+            return 2.0 if bits is None else bits / 8 + 2 * 2 / group
+        return (one(self.k_bits, self.group_size) + one(self.v_bits, self.v_group)) / 2
+
+
+# 8 and 4 bits as mlxd builds them, 4 bits at group 32, then two mixed layouts (mlxd has
+# one setting for both): keys at 8 bits, and keys at group 32 with values at group 64.
+STUDY_LAYOUTS = (Layout(8, 8), Layout(4, 4), Layout(4, 4, 32), Layout(8, 4),
+                 Layout(4, 4, 32, 64))
+
+
+def session_vs_fp16(layout: Layout, fp_prefix: int, tokens: int = SESSION_TOKENS) -> float:
+    """KV bytes of a float16 model's ``tokens``-token session at float16 against with its
+    first ``fp_prefix`` tokens float16 and the rest stored as ``layout`` says."""
+    kept = min(fp_prefix, tokens)
+    return tokens * 2.0 / (kept * 2.0 + (tokens - kept) * layout.fp16_bytes_per_value())
+
+
+def _rounded(x: Any, bits: int | None, group_size: int) -> Any:
+    """``x`` as quantized storage gives it back: what ``quantized_matmul`` computes on."""
+    import mlx.core as mx
+
+    if bits is None:
+        return x
+    return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits),
+                         group_size=group_size, bits=bits)
+
+
+@functools.lru_cache(maxsize=1)
+def _study_cache_class() -> type:
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    class StudyKVCache(BatchKVCache):  # type: ignore[misc]
+        """mlx-lm's left-padded ``BatchKVCache`` (one row or many) whose rows keep their
+        first ``fp_prefix`` positions full precision and every later one rounded through
+        ``mx.quantize``/``mx.dequantize`` as it is written: the values quantized storage
+        holds, attended to by the float SDPA (the same numbers ``quantized_matmul`` uses,
+        up to accumulation order)."""
+
+        def __init__(self, left_padding: list[int], layout: Layout, fp_prefix: int) -> None:
+            super().__init__(left_padding)
+            self.layout, self.fp_prefix = layout, fp_prefix
+
+        def update_and_fetch(self, keys: Any, values: Any) -> Any:
+            n = keys.shape[2]
+            position = self.offset[:, None] + mx.arange(n)[None]  # each row's own positions
+            late = (position >= self.fp_prefix)[:, None, :, None]
+            g = self.layout.group_size
+            keys = mx.where(late, _rounded(keys, self.layout.k_bits, g), keys)
+            values = mx.where(late, _rounded(values, self.layout.v_bits,
+                                             self.layout.v_group), values)
+            return super().update_and_fetch(keys, values)
+
+    return StudyKVCache
+
+
+def study_caches(model: Any, left_padding: list[int], layout: Layout,
+                 fp_prefix: int) -> list[Any]:
+    cls = _study_cache_class()
+    return [cls(left_padding, layout, fp_prefix) for _ in model.layers]
+
+
+def study_perplexity(model: Any, tokens: list[int], layout: Layout, fp_prefix: int,
+                     chunk: int = 64) -> tuple[float, float]:
+    """``perplexity`` through a one-row study cache: (all of ``tokens``, the tail predicted
+    at positions ``TAIL_FROM`` on)."""
+    import mlx.core as mx
+
+    cache = study_caches(model, [0], layout, fp_prefix)
+    nll: list[float] = []
+    for start in range(0, len(tokens) - 1, chunk):
+        targets = tokens[start + 1:start + chunk + 1]
+        inputs = tokens[start:start + len(targets)]
+        logits = model(mx.array(inputs)[None], cache=cache)[0].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
+        nll += cast(list[float], (-picked[:, 0]).tolist())
+    tail = nll[TAIL_FROM:]
+    return math.exp(sum(nll) / len(nll)), math.exp(sum(tail) / len(tail)) if tail else math.nan
+
+
+def study_greedy(model: Any, chats: list[list[int]], n_tokens: int, eos: set[int],
+                 layout: Layout, fp_prefix: int) -> list[list[int]]:
+    """Greedy answers of every prompt in one left-padded batch, cut after a first EOS."""
+    import mlx.core as mx
+
+    width = max(len(c) for c in chats)
+    padding = [width - len(c) for c in chats]
+    cache = study_caches(model, padding, layout, fp_prefix)
+    inputs = mx.array([[0] * p + c for p, c in zip(padding, chats)])
+    out: list[list[int]] = [[] for _ in chats]
+    for _ in range(n_tokens):
+        nxt = mx.argmax(model(inputs, cache=cache)[:, -1, :], axis=-1)
+        mx.eval(nxt)
+        for row, t in zip(out, cast(list[int], nxt.tolist())):
+            row.append(t)
+        inputs = nxt[:, None]
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))]
+            for row in out]
+
+
+def check_simulation(model: Any, tokens: list[int]) -> list[dict[str, Any]]:
+    """The study cache at ``fp_prefix`` 0 against mlx-lm's real ``QuantizedKVCache``
+    (``perplexity`` above): held-out perplexity, and the largest logit difference of the
+    paragraph's first 64 tokens."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+    from mlxd.engines.text.quantized_cache import KVQuantization, quantize_layers
+
+    rows = []
+    for layout in (Layout(8, 8), Layout(4, 4), Layout(4, 4, 32)):
+        assert layout.k_bits is not None
+        kv = KVQuantization(layout.k_bits, layout.group_size)
+        real = perplexity(model, tokens, kv)
+        sim = study_perplexity(model, tokens, layout, 0)[0]
+        head = mx.array(tokens[:64])[None]
+        a = model(head, cache=quantize_layers(make_prompt_cache(model), kv, QuantizedKVCache))
+        b = model(head, cache=study_caches(model, [0], layout, 0))
+        rows.append({"kv": layout.name, "real_perplexity": round(real, 3),
+                     "simulated_perplexity": round(sim, 3),
+                     "difference": round(sim / real - 1, 5),
+                     "max_logit_difference": cast(float, mx.abs(a - b).max().item())})
+    return rows
+
+
+def fp_prefix_study(folder: Path, prefixes: list[int], n_prompts: int, n_tokens: int,
+                    held_out_tokens: int | None = None) -> dict[str, Any]:
+    """Perplexity and greedy agreement of every ``STUDY_LAYOUTS`` layout with the first N
+    positions of each sequence full precision, for each N of ``prefixes``; against the
+    same batch with full-precision KV."""
+    from mlx_lm import load
+
+    model, tok = load(str(folder))[:2]
+    chats = [tok.apply_chat_template([{"role": "user", "content": p}],
+                                     add_generation_prompt=True)
+             for p in prompts(max(1, n_prompts))]
+    held_out = tok.encode(HELD_OUT)[:held_out_tokens]
+    eos = set(tok.eos_token_ids)
+    full = Layout(None, None)
+    # each chunking, full precision: (perplexity, tail perplexity)
+    base = [study_perplexity(model, held_out, full, 0, c) for c in PPL_CHUNKS]
+    (ppl_full, tail_full) = base[0]
+    rows: list[dict[str, Any]] = [{"kv": full.name, "fp_prefix": None,
+                                   "perplexity": round(ppl_full, 3),
+                                   "tail_perplexity": None if math.isnan(tail_full)
+                                   else round(tail_full, 3),
+                                   "bytes_per_token_fp16": 2 * _kv_values(folder) * 2,
+                                   "session_vs_fp16": 1.0}]
+    for layout in STUDY_LAYOUTS:  # perplexity first: seconds each
+        for n in prefixes:
+            got = [study_perplexity(model, held_out, layout, n, c) for c in PPL_CHUNKS]
+            change = [p / b[0] - 1 for p, b in zip((g[0] for g in got), base)]
+            tail = [t / b[1] - 1 for t, b in zip((g[1] for g in got), base)]
+            rows.append({"kv": layout.name, "layout": layout, "fp_prefix": n,
+                         "perplexity": round(got[0][0], 3),
+                         "perplexity_change": round(change[0], 4),
+                         "change_by_chunk": [round(c, 4) for c in change],
+                         "change_mean": round(sum(change) / len(change), 4),
+                         "change_min": round(min(change), 4),
+                         "change_max": round(max(change), 4),
+                         **({} if math.isnan(tail[0]) else
+                            {"tail_change_mean": round(sum(tail) / len(tail), 4)}),
+                         "bytes_per_token_fp16": round(
+                             2 * _kv_values(folder) * layout.fp16_bytes_per_value()),
+                         "session_vs_fp16": round(session_vs_fp16(layout, n), 2)})
+            print(f"{layout.name} N={n}: perplexity change {rows[-1]['change_by_chunk']}",
+                  file=sys.stderr, flush=True)
+    check = check_simulation(model, held_out)
+    print(f"simulation check: {check}", file=sys.stderr, flush=True)
+    if n_prompts:
+        reference = study_greedy(model, chats, n_tokens, eos, full, 0)
+        for r in rows[1:]:
+            r.update(agreement(reference, study_greedy(model, chats, n_tokens, eos,
+                                                       r["layout"], r["fp_prefix"])))
+            print(f"{r['kv']} N={r['fp_prefix']}: identical {r['identical']}",
+                  file=sys.stderr, flush=True)
+    for r in rows:
+        r.pop("layout", None)
+    return {"model": folder.name, "prompts": len(chats) if n_prompts else 0,
+            "tokens": n_tokens, "held_out_tokens": len(held_out), "tail_from": TAIL_FROM,
+            "chunks": list(PPL_CHUNKS),
+            "prompt_tokens": [min(map(len, chats)), max(map(len, chats))],
+            "simulation_check": check, "rows": rows}
+
+
+def _kv_values(folder: Path) -> int:
+    """K (or V) values per token, over all layers."""
+    c = json.loads((folder / "config.json").read_text())
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return int(c["num_hidden_layers"] * c.get("num_key_value_heads",
+                                               c["num_attention_heads"]) * head)
+
+
 def markdown(results: dict[str, Any]) -> str:
     quality = "Bytes only (`--bytes-only`): no perplexity, agreement or speed." if results.get(
         "bytes_only") else (
@@ -257,6 +497,48 @@ def markdown(results: dict[str, Any]) -> str:
               "| streams | bits | float32 tok/s | quantized tok/s | ratio |", "|---|---|---|---|---|"]
     lines += [f"| {s['streams']} | {s['bits']} | {s['off_tok_s']} | {s['on_tok_s']} | "
               f"{s['ratio']}x |" for s in results["speed"]]
+    return "\n".join(lines) + "\n"
+
+
+def fp_prefix_markdown(results: dict[str, Any]) -> str:
+    lines = [f"## Full-precision first tokens, {results['model']}", "",
+             f"Perplexity: the held-out paragraph ({results['held_out_tokens']} tokens). "
+             "Agreement: "
+             f"greedy answers of {results['prompts']} prompts "
+             f"({results['prompt_tokens'][0]}-{results['prompt_tokens'][1]} prompt tokens) "
+             f"over {results['tokens']} tokens, one left-padded batch, against float32 KV. "
+             "N: positions of each sequence kept full precision. bytes/token: a float16 "
+             f"model's (float16 scales); x fp16 ({SESSION_TOKENS // 1024}k): a "
+             f"{SESSION_TOKENS}-token session's KV at float16 against with N tokens float16.",
+             "", f"Change: against float32 KV at the same chunking; chunk {results['chunks'][0]} "
+             f"(the perplexity shown), then the mean [min, max] over prefill chunks of "
+             f"{', '.join(map(str, results['chunks']))} tokens (only the float accumulation "
+             "order differs between them: their spread is a floor on the measure's noise). Tail: "
+             "the "
+             f"tokens predicted at positions {results['tail_from']} on, mean change.",
+             "", "| KV | N | perplexity | change | change, mean [min, max] | tail change | "
+             "identical | prefix share | bytes/token | x fp16 (4k) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        n = "" if r["fp_prefix"] is None else r["fp_prefix"]
+        spread = (f"{r['change_mean']:+.1%} [{r['change_min']:+.1%}, {r['change_max']:+.1%}]"
+                  if "change_mean" in r else "")
+        def pct(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key]:+.1%}" if key in r else ""
+
+        same = (f"{round(r['identical'] * results['prompts'])} of {results['prompts']}"
+                if "identical" in r else "")
+        share = f"{r['prefix_share']:.0%}" if "prefix_share" in r else ""
+        lines.append(f"| {r['kv']} | {n} | {r['perplexity']:.2f} | "
+                     f"{pct('perplexity_change')} | {spread} | {pct('tail_change_mean')} | "
+                     f"{same} | {share} | {r['bytes_per_token_fp16']:,} | "
+                     f"{r['session_vs_fp16']} |")
+    lines += ["", "Simulation (N = 0) against mlx-lm's `QuantizedKVCache`:", "",
+              "| KV | real perplexity | simulated | difference | max logit difference |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {c['kv']} | {c['real_perplexity']} | {c['simulated_perplexity']} | "
+              f"{c['difference']} | {c['max_logit_difference']:.2g} |"
+              for c in results["simulation_check"]]
     return "\n".join(lines) + "\n"
 
 
@@ -304,10 +586,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the bytes per token rows (no perplexity, agreement or speed)")
     p.add_argument("--no-hybrid", action="store_true",
                    help="skip the hybrid bench model's bytes rows")
+    p.add_argument("--fp-prefix", default=None, metavar="N,N,...",
+                   help="instead of the rest: the full-precision first tokens study, these N "
+                        "(e.g. 0,1,4,16,64; `--prompts 0` skips its agreement)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     p.add_argument("--tag", default="kv", help="result file names")
     args = p.parse_args(argv)
     folder = args.model or smollm2_float32(args.home)
+    if args.fp_prefix is not None:
+        study = fp_prefix_study(folder, [int(n) for n in args.fp_prefix.split(",")],
+                                50 if args.prompts is None and not args.quick else
+                                (args.prompts if args.prompts is not None else 10),
+                                args.tokens or (32 if args.quick else 64), args.held_out_tokens)
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_report(args.out, f"{args.tag}-fp-prefix", study, fp_prefix_markdown)
+        return 0
     results = run(folder, args.prompts or (10 if args.quick else 50),
                   args.tokens or (32 if args.quick else 64),
                   args.speed_tokens or (48 if args.quick else 128), args.held_out_tokens,
