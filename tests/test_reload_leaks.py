@@ -97,3 +97,15 @@ def test_load_unload_cycles_leave_threads_and_rss_flat(server: Serve, model: str
     (threads0, rss0), (threads, rss) = after[0], after[-1]
     assert threads <= threads0 + THREAD_SLACK, after
     assert rss <= rss0 + RSS_SLACK_MB, after
+
+
+def test_the_serving_process_never_imports_torch(server: Serve) -> None:
+    """torch is installed here (the parity tests use it), and transformers imports it
+    whenever it is; `mlxd serve` keeps it out (``keep_torch_out``: ~310 MiB of RSS). Runs
+    after the cycles above, so every kind's engine and processor has been loaded."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed: nothing to keep out")
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps

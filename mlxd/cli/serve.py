@@ -259,10 +259,45 @@ def _ready_line(ctx: Any, host: str, port: int) -> str:
             "serving: " + ", ".join(parts))
 
 
+class _PathFinderWithoutTorch:
+    """``importlib.machinery.PathFinder`` that does not find torch (see ``keep_torch_out``)."""
+
+    def __init__(self, finder: Any) -> None:
+        self._finder = finder
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name.partition(".")[0] == "torch":
+            return None
+        return self._finder.find_spec(name, path, target)
+
+    def __getattr__(self, attr: str) -> Any:  # invalidate_caches, find_distributions, ...
+        return getattr(self._finder, attr)
+
+
+def keep_torch_out() -> None:
+    """Make this process serve as it would where torch is not installed.
+
+    transformers imports torch at import time whenever torch is installed
+    (``modeling_rope_utils``, through the configs and tokenizers mlxd reads), which costs
+    a serving process ~310 MiB of RSS and seconds of start-up for nothing: every model
+    runs on MLX, and torch is not a dependency of mlxd (only of its parity tests). The
+    path finder stops finding torch, so ``importlib.util.find_spec("torch")`` answers None
+    and transformers (and scipy, torchvision users, ...) take their torch-less paths, the
+    ones a user without torch gets. ``MLXD_SERVE_TORCH=1`` leaves torch importable (a
+    tokenizer or processor of your own that needs it)."""
+    if os.environ.get("MLXD_SERVE_TORCH", "") in ("1", "true", "yes") or "torch" in sys.modules:
+        return
+    import importlib.machinery
+
+    sys.meta_path[:] = [_PathFinderWithoutTorch(f) if f is importlib.machinery.PathFinder
+                        else f for f in sys.meta_path]
+
+
 def run(args: argparse.Namespace) -> int:
     from mlxd.blas import reexec_with_openblas
 
     blas = reexec_with_openblas(getattr(args, "blas", None))  # may re-exec this command
+    keep_torch_out()
     from rich.console import Console
 
     from mlxd.cli.serve_distributed import sharded_engines
