@@ -112,6 +112,27 @@ def test_a_row_joining_the_running_batch_leaves_no_second_copy_of_it(
     dec.close()
 
 
+def test_the_step_after_a_join_builds_no_copy_of_the_batch(deep_model: Any, quiet: None) -> None:
+    """Without a prefix cache to store the new row, the running batch's concatenation is
+    evaluated as rows join (``settle_joins``), a layer at a time, not by the next decode
+    step with every old buffer still held."""
+    dec = LMBatchDecoder(deep_model, eos_ids=[], max_num_seqs=4, prefill_step_size=256)
+    for seed, n in ((1, 600), (2, 650)):
+        dec.insert(_prompt(n, seed), 0, None, greedy, [], set(), 50)
+    while not dec.next()[1]:
+        pass
+    dec.insert(_prompt(900, 3), 0, None, greedy, [], set(), 50)
+    while not any(p.end_of_prompt for p in dec.next()[0]):
+        pass
+    gc.collect()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    dec.next()  # a decode step of the three rows
+    transient = mx.get_peak_memory() - max(before, mx.get_active_memory())
+    assert transient < dec.cache_nbytes() // LAYERS, (transient, dec.cache_nbytes())
+    dec.close()
+
+
 def _state(tokens: int, source: mx.array | None = None) -> list[Any]:
     """A 4-layer KV state of ``tokens`` tokens: evaluated, or a lazy slice of ``source``
     (as the scheduler's states are of the batch's buffer)."""
