@@ -112,8 +112,9 @@ def settle_joins(gen: Any) -> None:
     the running batch with the moving rows (``GenerationBatch.extend``), all lazily. The
     evaluation that follows (a forward, a prefix-cache copy) builds every layer's new
     buffers while every old one is still held: a second copy of the rows that move, or
-    of the whole batch. Evaluated layer by layer right away, each old buffer is freed
-    before the next layer's copy is made. Wraps the two methods of this generator's
+    of the whole batch. Evaluated layer by layer right away, and each layer of the moving
+    rows let go of once concatenated, each old buffer is freed before the next layer's
+    copy is made. Wraps the two methods of this generator's
     batches (after any other code replaced the batches); undone with the generator."""
     import mlx.core as mx
 
@@ -131,8 +132,13 @@ def settle_joins(gen: Any) -> None:
 
     def settled_extend(other: Any) -> None:
         extend(other)
-        for cache in running.prompt_cache:
+        # the joining batch's own layers, read by nothing once concatenated (none to drop
+        # when the running batch was empty and simply took them over)
+        moved = other.prompt_cache if other.prompt_cache is not running.prompt_cache else []
+        for i, cache in enumerate(running.prompt_cache):
             mx.eval(cache.state)
+            if i < len(moved):
+                moved[i] = None  # free the moving rows' copy of this layer now
 
     prompts.split = settled_split
     running.extend = settled_extend
