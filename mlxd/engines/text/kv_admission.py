@@ -19,9 +19,12 @@ prefix cache's cap and its transient reserve (``models/memory.py``'s
 prompt and output limit exceed the allowance with no other model loaded can never run:
 it is refused at once with the numbers.
 
-The counts are the scheduler's own: the batch buffer underneath rounds rows up and
-pads them to the longest (``Decoder.cache_nbytes`` reports those bytes), which the
-static KV reserve of the model's estimate covers.
+The counts are the scheduler's own, in the batch's layout: mlx-lm keeps every row of a
+batch as long as the longest (left padding), so the grants hold rows x the longest grant
+(``batch_footprint``), and that is what admission and growth check against the
+allowance and what ``granted_bytes`` reports. The buffer's rounding up to 256 tokens
+(``Decoder.cache_nbytes`` reports those bytes) is left to the static KV reserve of the
+model's estimate and the margin.
 """
 
 from __future__ import annotations
@@ -125,10 +128,11 @@ class KVLedger:
         return max(held + 1, min(held + remaining, alone))
 
     def admit(self, seq_id: str, need: int) -> bool:
-        """Grant ``need`` tokens if they fit beside the grants running now."""
+        """Grant ``need`` tokens if they fit beside the grants running now, every row
+        padded to the longest (``batch_footprint``)."""
         with self._lock:
-            granted = sum(self._grants.values())
-        if (granted + need) * self.bytes_per_token > self.allowance():
+            grants = [*self._grants.values(), need]
+        if batch_footprint(grants) * self.bytes_per_token > self.allowance():
             return False
         with self._lock:
             self._grants[seq_id] = need
@@ -157,7 +161,7 @@ class KVLedger:
                 if seq_id in preempted or held <= self._grants.get(seq_id, 0):
                     continue
                 want = max(held, min(held + GROW_TOKENS, most))
-                while sum(self._grants.values()) - self._grants.get(seq_id, 0) + want > allowance:
+                while self._footprint_with(seq_id, want) > allowance:
                     newest = [r[0] for r in reversed(rows) if r[4] and r[0] not in preempted
                               and r[0] in self._grants]
                     if not newest:
@@ -170,9 +174,12 @@ class KVLedger:
                         break
                 if seq_id in preempted:
                     continue
-                if sum(self._grants.values()) - self._grants.get(seq_id, 0) + want > allowance:
-                    want = max(allowance - (sum(self._grants.values())
-                                            - self._grants.get(seq_id, 0)), 0)
+                if self._footprint_with(seq_id, want) > allowance:
+                    others = [g for k, g in self._grants.items() if k != seq_id]
+                    n_rows = len(others) + 1
+                    # the most it may hold: an equal share, if the others fit in theirs
+                    want = allowance // n_rows \
+                        if n_rows * max(others, default=0) <= allowance else 0
                     if want < held:
                         ended.append(seq_id)
                         self._held.pop(seq_id, None)
@@ -183,20 +190,34 @@ class KVLedger:
         self.preemptions += len(preempted)
         return preempted, ended
 
+    def _footprint_with(self, seq_id: str, want: int) -> int:
+        """The batch's footprint in tokens with ``seq_id`` granted ``want`` (lock held)."""
+        return batch_footprint([*(g for k, g in self._grants.items() if k != seq_id), want])
+
     def granted_bytes(self) -> int:
+        """What the grants hold in the batch, rows padded to the longest."""
         with self._lock:
-            return sum(self._grants.values()) * self.bytes_per_token
+            return batch_footprint(self._grants.values()) * self.bytes_per_token
 
     def stats(self) -> KVStats:
         with self._lock:
             live = sum(self._held.values())
-            granted = sum(self._grants.values())
+            granted = batch_footprint(self._grants.values())
         bpt = self.bytes_per_token
         return KVStats(live_bytes=live * bpt, granted_bytes=granted * bpt,
                        peak_live_bytes=self.peak_live_tokens * bpt,
                        allowance_bytes=self._allowance, preemptions=self.preemptions,
                        waiting_for_memory=self.waiting_for_memory,
                        bytes_per_token=bpt, transient_bytes=self.transient_bytes)
+
+
+def batch_footprint(grants: Iterable[int]) -> int:
+    """Tokens of KV a batch holds when each sequence holds its grant: mlx-lm keeps the
+    running rows in one buffer per layer, each left-padded to the longest, so the batch
+    holds rows x the longest grant (a 2,000-token row beside a 2,900-token one holds
+    2,900). Rows still prefilling are padded the same way among themselves."""
+    grants = list(grants)
+    return len(grants) * max(grants) if grants else 0
 
 
 def cache_dtype_bytes(model: Any) -> int:

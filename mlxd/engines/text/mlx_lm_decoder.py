@@ -36,6 +36,7 @@ from mlxd.engines.text.speculative import (
     install,
     pop_counts,
 )
+from mlxd.engines.upstream import mlx_lm as lm_internals
 
 # Reading the batch's cache size from another thread can meet the worker
 # mid-update (a deque or list resized while summed); a few retries find a
@@ -90,6 +91,7 @@ class LMBatchDecoder:
             install(gen, SpeculativeOptions(mode="off"))
         if self._rows is not None:
             route_rows(gen, self._rows)
+        lm_internals.settle_joins(gen)  # rows joining the batch: copies a layer at a time
         return gen
 
     @property

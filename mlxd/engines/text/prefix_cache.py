@@ -311,16 +311,27 @@ class PrefixCache:
         """Cache ``cache``, the KV state of ``tokens``, under ``namespace``."""
         if self.max_bytes <= 0 or not tokens:
             return
-        # Entries extracted from a running batch are lazy slices of the batch's
-        # whole KV buffer; evaluate them so an entry holds only its own bytes.
-        mx.eval([c.state for c in cache])
         ns = namespace or self._text_namespace
+        size = sum(c.nbytes for c in cache)  # from the shapes: nothing evaluated yet
+        with self._lock:
+            before = self._entries_locked() if self.disk is not None else []
+            room = max(0, self.max_bytes - self.pinned_bytes)
+            if size <= room:
+                # Make room before the copy exists, not after: the LRU would evict only
+                # once the new entry is in, holding one entry beyond its cap meanwhile.
+                self._cache.trim_to(n_bytes=room - size)
+        if size <= room:
+            # Entries extracted from a running batch are lazy slices of the batch's
+            # whole KV buffer; evaluate them (a layer at a time) so an entry holds only
+            # its own bytes.
+            for c in cache:
+                mx.eval(c.state)
         with self._lock:
             self._hold(ns, list(tokens), cache)  # before the LRU may evict or trim it
             # the LRU gets what the pins leave of the byte budget
             self._cache.max_bytes = max(0, self.max_bytes - self.pinned_bytes)
-            before = self._entries_locked() if self.disk is not None else []
-            self._cache.insert_cache(ns, list(tokens), cache)
+            if size <= self._cache.max_bytes:  # a state larger than the cap is not copied
+                self._cache.insert_cache(ns, list(tokens), cache)
             evicted = [(n, t, c) for n, t, c in before if not self._present(n, t)
                        and not (n == ns and tokens[:len(t)] == t)]  # not a prefix it replaced
         for n, t, c in evicted:

@@ -250,9 +250,14 @@ class SchedulerBase:
         if not inserts:
             return
         try:
-            for tokens, cache, key in inserts:
+            while inserts:
                 assert self.prefix_cache is not None
+                tokens, cache, key = inserts[0]
                 self.prefix_cache.insert(tokens, cache, key)
+                # let go of it once stored: an entry the next insert evicts must be freed
+                # before that insert's copy is made
+                del cache
+                inserts.pop(0)
             if not self.running:
                 # the entries were slices of the batch's buffer, which is free only now
                 release_free_memory()
@@ -533,9 +538,11 @@ class BatchScheduler(SchedulerBase):
         for seq in seqs:
             self.running.pop(seq.uid, None)
             found = caches.get(seq.uid)
-            if found:
+            if found and self.prefix_cache is not None:
+                # Now, not after the step: until its copy is made, the row's lazy slice
+                # keeps the whole old batch buffer alive beside the step's new one.
                 cache, toks = found
-                self._cache(list(toks), cache, seq.cache_key)
+                self.prefix_cache.insert(list(toks), cache, seq.cache_key)
             log.info("request %s (prompt %d tokens) preempted for KV memory after %d output "
                      "tokens", seq.seq_id, len(seq.prompt.tokens) - seq.resumed_from,
                      len(seq.generated))

@@ -101,3 +101,44 @@ def hf_tokenizer(tokenizer: Any) -> Any:
     """The Hugging Face tokenizer behind mlx-lm's ``TokenizerWrapper`` (or ``tokenizer``
     itself when it is not wrapped)."""
     return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def settle_joins(gen: Any) -> None:
+    """Make the copies rows joining ``gen``'s running batch cost one layer at a time.
+
+    A prompt whose prefill ends moves from the prompt batch to the running batch: mlx-lm
+    gathers the moving rows and the staying ones into new buffers
+    (``PromptProcessingBatch.split``, then ``filter``), and concatenates every layer of
+    the running batch with the moving rows (``GenerationBatch.extend``), all lazily. The
+    evaluation that follows (a forward, a prefix-cache copy) builds every layer's new
+    buffers while every old one is still held: a second copy of the rows that move, or
+    of the whole batch. Evaluated layer by layer right away, and each layer of the moving
+    rows let go of once concatenated, each old buffer is freed before the next layer's
+    copy is made. Wraps the two methods of this generator's
+    batches (after any other code replaced the batches); undone with the generator."""
+    import mlx.core as mx
+
+    prompts, running = prompt_batch(gen), generation_batch(gen)
+    split, extend = prompts.split, running.extend
+
+    def settled_split(indices: Any) -> Any:
+        moving = split(indices)
+        layers = max(len(prompts.prompt_cache), len(moving.prompt_cache))
+        for i in range(layers):
+            for batch in (prompts, moving):
+                if i < len(batch.prompt_cache):
+                    mx.eval(batch.prompt_cache[i].state)
+        return moving
+
+    def settled_extend(other: Any) -> None:
+        extend(other)
+        # the joining batch's own layers, read by nothing once concatenated (none to drop
+        # when the running batch was empty and simply took them over)
+        moved = other.prompt_cache if other.prompt_cache is not running.prompt_cache else []
+        for i, cache in enumerate(running.prompt_cache):
+            mx.eval(cache.state)
+            if i < len(moved):
+                moved[i] = None  # free the moving rows' copy of this layer now
+
+    prompts.split = settled_split
+    running.extend = settled_extend
