@@ -290,8 +290,8 @@ def _gated_delta_ok(key: mx.array) -> bool:
 
 
 def _self_check() -> bool:
-    """Whether the CPU paths equal the installed mlx-lm's attention (GQA, causal),
-    SwiGLU and gated delta rule."""
+    """Whether the CPU paths equal the installed mlx-lm's attention (GQA, causal; over
+    float and quantized KV), SwiGLU and gated delta rule."""
     key = mx.random.key(0)
     q = mx.random.normal((1, 4, 80, 16), key=key)
     k = mx.random.normal((1, 2, 80, 16), key=mx.random.split(key)[0])

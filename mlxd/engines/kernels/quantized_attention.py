@@ -13,30 +13,27 @@ exist at a time: a group of rows, or of one row's KV heads, of at most
 ``dequantized_attention_bytes``.
 
 One SmolLM2-135M attention layer (9 query heads, 3 KV heads of 64), 8-bit KV, group
-64, float32, ms per call, best of two interleaved rounds on the 2-core Xeon with
-OpenBLAS (load average ~4: another benchmark ran beside it; ``float`` is the same
-call over float32 KV, the path without ``--kv-bits``):
+64, float32, ms per call (``python -m bench.kv_attention``: best of two interleaved
+rounds, 2-core AMD EPYC, OpenBLAS, load average 2.5-4.4 from another benchmark; ``float``
+is the same call over float32 KV, the path without ``--kv-bits``):
 
 =====================  ========  ===========  =====
 rows x queries x keys  upstream  dequantized  float
 =====================  ========  ===========  =====
-1 x 256 x 1,024           205.1          9.0   10.7
-1 x 256 x 2,048           401.1         20.5   20.6
-1 x 256 x 4,096           888.5         44.8   40.6
-1 x 256 x 6,144          1311.5         78.8  107.9
-1 x 1 x 1,024               1.24         0.75   0.27
-1 x 1 x 2,048               2.43         1.78   0.80
-1 x 1 x 4,096               7.51         2.14   0.80
-1 x 1 x 6,144               7.43         3.83   1.85
-4 x 1 x 2,048              15.9         11.3    8.3
-8 x 1 x 2,048              27.4         10.3    7.6
-8 x 1 x 6,144              65.3         65.2   23.3
+1 x 256 x 1,024           274.2         15.6   15.9
+1 x 256 x 6,144          1662.7        105.3   99.9
+1 x 1 x 1,024              0.84         0.46   0.20
+1 x 1 x 6,144              9.29         5.61   3.98
+4 x 1 x 6,144             39.46        28.85  17.63
+8 x 1 x 2,048             19.16        12.93  10.19
+8 x 1 x 6,144             96.57        36.38  22.50
 =====================  ========  ===========  =====
 
-Prefill chunks are 20x faster; decode steps 1.3-3.5x for one row and no slower for
-eight (where a batch's KV no longer fits in one part, see the table in
-docs/memory.md for the parted runs). Nowhere measured was mlx-lm's quantized path
-faster on CPU, so the CPU takes this path for every call; the GPU keeps mlx-lm's.
+Prefill chunks are 15-18x faster (at float32 KV's speed), decode steps 1.3-3.8x (the
+full table, 1-8 rows and 1k-6k keys: docs/benchmarks.md). Nowhere measured was
+mlx-lm's quantized path faster on CPU, so the CPU takes this path for every call; the
+GPU keeps mlx-lm's. A decode step stays slower than over float KV: it dequantizes the
+whole cache each time (``mx.dequantize`` took twice as long as the fused pass).
 """
 
 from __future__ import annotations
