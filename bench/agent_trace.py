@@ -36,12 +36,14 @@ SERVERS = ("mlxd", "mlx_lm.server", "vllm-mlx")
 # Opt-in extra rows (``--servers mlxd,mlxd-lookup,...``): mlxd with prompt-lookup
 # speculation forced on (``--speculative auto`` leaves it off on a CPU without a fast
 # BLAS), mlxd with it off, and mlxd with its KV quantized to 8 or 4 bits (``--kv-bits``;
-# the hybrid's attention layers, its recurrent state as it is).
+# the hybrid's attention layers, its recurrent state as it is), 8 bits also without
+# speculation (beside ``mlxd-plain``: decode speed apart from prompt lookup's hits).
 VARIANT_FLAGS: dict[str, tuple[str, ...]] = {
     "mlxd-lookup": ("--speculative", "prompt-lookup"),
     "mlxd-plain": ("--speculative", "off"),
     "mlxd-kv8": ("--kv-bits", "8"),
-    "mlxd-kv4": ("--kv-bits", "4")}
+    "mlxd-kv4": ("--kv-bits", "4"),
+    "mlxd-kv8-plain": ("--kv-bits", "8", "--speculative", "off")}
 VARIANTS = tuple(VARIANT_FLAGS)
 MODELS = ("smollm2", "hybrid")
 # How each server is sent the turns: (API, tools described in the system message).
@@ -53,6 +55,7 @@ APIS: dict[str, tuple[TraceApi, bool]] = {"mlxd": ("messages", True),
                                           "mlxd-plain": ("messages", True),
                                           "mlxd-kv8": ("messages", True),
                                           "mlxd-kv4": ("messages", True),
+                                          "mlxd-kv8-plain": ("messages", True),
                                           "mlx_lm.server": ("chat", True),
                                           "vllm-mlx": ("messages", True)}
 HYBRID_CONFIG: dict[str, Any] = {

@@ -25,7 +25,8 @@ full precision and the rest rounded as quantized storage holds them
 ``QuantizedKVCache`` at N = 0). Results: ``bench/results/kv-fp-prefix.{json,md}``.
 
 Results: ``bench/results/kv.{json,md}``. In-process: no OpenBLAS preload unless the caller
-set ``LD_PRELOAD``.
+set ``LD_PRELOAD``. The model runs mlxd's CPU paths as a server's load installs them
+(``engines/kernels/prefill.py``; over quantized KV, ``quantized_attention.py``).
 """
 
 from __future__ import annotations
@@ -196,10 +197,12 @@ def run(folder: Path, n_prompts: int, n_tokens: int, speed_tokens: int,
     from mlx_lm import load
 
     from bench.speculative import _decode
+    from mlxd.engines.kernels.prefill import install_cpu_prefill_attention
     from mlxd.engines.text.quantized_cache import KVQuantization
     from mlxd.models.memory import kv_bytes_per_token
 
     model, tok = load(str(folder))[:2]
+    cpu_paths = install_cpu_prefill_attention(model)  # as a server's load does (CPU only)
     config = json.loads((folder / "config.json").read_text())
     chats = [tok.apply_chat_template([{"role": "user", "content": p}],
                                      add_generation_prompt=True) for p in prompts(n_prompts)]
@@ -235,6 +238,8 @@ def run(folder: Path, n_prompts: int, n_tokens: int, speed_tokens: int,
             speed.append({"streams": streams, "bits": bits, "off_tok_s": round(off["tok_s"], 2),
                           "on_tok_s": round(on["tok_s"], 2),
                           "ratio": round(on["tok_s"] / off["tok_s"], 3) if off["tok_s"] else None})
+    if cpu_paths is not None:
+        cpu_paths.undo()
     return {"model": folder.name, "prompts": len(chats), "tokens": n_tokens,
             "held_out_tokens": len(held_out), "speed_tokens": speed_tokens,
             "budget_bytes": KV_BUDGET, "rows": rows, "speed": speed, "bytes_only": bytes_only}

@@ -28,6 +28,7 @@ from mlxd.engines.kernels.prefill import (
     cpu_prefill_chunk,
     install_cpu_prefill_attention,
 )
+from mlxd.engines.kernels.quantized_attention import dequantized_attention_bytes
 from mlxd.engines.text.draft import DraftModel, load_draft_model, plain_kv
 from mlxd.engines.text.hybrid_cache import can_batch, is_trimmable, prefill_batch_size
 from mlxd.engines.text.input_processor import InputLimits, InputProcessor, PreparedPrompt
@@ -39,6 +40,7 @@ from mlxd.engines.text.prefix_disk import DiskTier
 from mlxd.engines.text.prompt_limits import max_token_chars, vocab_bound
 from mlxd.engines.text.quantized_cache import (
     KVQuantization,
+    dequantized_head,
     quantize_layers,
     unsupported_layers,
 )
@@ -147,6 +149,7 @@ class MLXLanguageModel:
         self.kv: KVLedger | None = None  # admission by live KV, under a memory budget
         self._transient_bytes = 0  # what one step holds beyond the live KV, reserved
         self.kv_quantization: KVQuantization | None = None  # --kv-bits, checked at load
+        self._dequantized_head = (0, 0)  # (KV heads, bytes per token) of quantized KV, at load
 
     # -- lifecycle (worker thread) -----------------------------------------
     def load(self) -> None:
@@ -191,14 +194,21 @@ class MLXLanguageModel:
 
     def _transient(self, model: Any, config: dict[str, Any]) -> int:
         """What one step of this model's scheduler holds beyond the live KV: a prefill chunk
-        of every row prefilled together, a decode step's logits (``text_transient_bytes``)."""
+        of every row prefilled together, a decode step's logits (``text_transient_bytes``),
+        and over quantized KV on CPU one layer's dequantized part of the cache."""
         sched = self.scheduler
         prefill_rows = decode_rows = 1  # the serial scheduler: one sequence
         if isinstance(sched, BatchScheduler) and isinstance(sched.decoder, LMBatchDecoder):
             prefill_rows, decode_rows = sched.decoder.prefill_rows, sched.max_num_seqs
-        return text_transient_bytes(config, cpu_prefill_chunk(self.options.prefill_step_size),
-                                    prefill_rows=prefill_rows, decode_rows=decode_rows,
-                                    dtype_bytes=cache_dtype_bytes(model))
+        transient = text_transient_bytes(
+            config, cpu_prefill_chunk(self.options.prefill_step_size),
+            prefill_rows=prefill_rows, decode_rows=decode_rows,
+            dtype_bytes=cache_dtype_bytes(model))
+        if self.kv_quantization is not None and self._prefill_attention is not None:
+            heads, head_bytes = self._dequantized_head
+            transient += dequantized_attention_bytes(max(prefill_rows, decode_rows), heads,
+                                                     head_bytes, self.context_length)
+        return transient
 
     def _held_beside_kv(self) -> HeldBeside:
         return HeldBeside(self._weights_bytes, self.options.prefix_cache_bytes,
@@ -225,6 +235,7 @@ class MLXLanguageModel:
         except Exception as e:
             raise ModelLoadError(self.name, f"{flags}: this model cannot attend over "
                                             f"quantized KV ({type(e).__name__}: {e})") from e
+        self._dequantized_head = dequantized_head(cache)
         return kv
 
     def _load_model(self) -> tuple[Any, Any, dict[str, Any]]:

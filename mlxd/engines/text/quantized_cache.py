@@ -20,6 +20,11 @@ Recurrent layers (``ArraysCache``) of hybrid models stay as they are.
 
 Speculative decoding masks rejected draft positions (``gapped_cache.py``):
 ``GappedQuantizedBatchKVCache`` is that, on quantized storage.
+
+On CPU the model's attention does not take mlx-lm's quantized path (two
+``quantized_matmul`` calls, 20x slower there for prefill chunks): it dequantizes the
+cache a part at a time and attends in float (``engines/kernels/quantized_attention.py``,
+installed with the CPU prefill path); ``dequantized_head`` sizes that transient.
 """
 
 from __future__ import annotations
@@ -308,3 +313,14 @@ def unsupported_layers(cache: list[Any]) -> list[str]:
     cannot stand in for (sliding windows, chunked or nested caches)."""
     return sorted({type(c).__name__ for c in cache
                    if type(c) not in (KVCache, QuantizedKVCache, ArraysCache)})
+
+
+def dequantized_head(cache: list[Any]) -> tuple[int, int]:
+    """(KV heads, bytes of one head's K for one token once dequantized) of the first
+    quantized attention layer of ``cache`` that holds a token; (0, 0) when none does. On
+    CPU attention dequantizes the cache a part at a time
+    (``engines/kernels/quantized_attention.py``)."""
+    for c in cache:
+        if isinstance(c, QuantizedKVCache) and c.keys is not None:
+            return int(c.keys[0].shape[1]), _dim(c.keys, c.bits) * c.keys[1].dtype.size
+    return 0, 0
