@@ -343,3 +343,18 @@ def test_vision_models_refuse_quantized_kv_at_load(tmp_path: Path) -> None:
     engine = MLXMultimodalLM("v", tmp_path, ModelWorker("v"), TextEngineOptions(kv_bits=4))
     with pytest.raises(ModelLoadError, match="not supported for vision models"):
         engine.load()
+
+
+def test_the_server_wide_flag_leaves_a_vision_model_at_full_precision(tmp_path: Path) -> None:
+    """`--kv-bits` is for text models: a vision model served beside them loads as without
+    it (a mixed registry keeps working); its own entry's kv_bits is still refused."""
+    from mlxd.config import ServerConfig
+    from mlxd.engines.factory import EngineFactory
+    from mlxd.models.spec import ModelEntry, ModelKind
+
+    factory = EngineFactory(ServerConfig(kv_bits=8, home=tmp_path), 1 << 30)
+    text = factory.text_options(ModelEntry(name="t", source="x"), ModelKind.TEXT)
+    vision = factory.text_options(ModelEntry(name="v", source="x"), ModelKind.VISION)
+    own = factory.text_options(ModelEntry(name="v", source="x", defaults={"kv_bits": 4}),
+                               ModelKind.VISION)
+    assert (text.kv_bits, vision.kv_bits, own.kv_bits) == (8, None, 4)

@@ -41,14 +41,22 @@ class EngineFactory:
         """The kind's engine from the registry, constructed (not loaded)."""
         engine_class = self.engines.engine_class(kind, entry.name)
         spec = self.engines.specs[kind]
-        options = self.text_options(entry) if spec.options == "text" else self.config
+        options = self.text_options(entry, kind) if spec.options == "text" else self.config
         return engine_class(entry.name, path, worker, options)
 
-    def text_options(self, entry: ModelEntry) -> Any:
+    def text_options(self, entry: ModelEntry, kind: ModelKind = ModelKind.TEXT) -> Any:
         from mlxd.engines.text.engine import TextEngineOptions
         from mlxd.engines.text.speculative import SpeculativeOptions
 
         cfg, d = self.config, entry.defaults
+        kv_bits = d.kv_bits or cfg.kv_bits
+        if kind is ModelKind.VISION and not d.kv_bits and cfg.kv_bits:
+            # the server-wide flag is for text models: mlx-vlm's batch keeps its own KV
+            # caches, so a vision model keeps full precision (an entry's own kv_bits on a
+            # vision model is still refused at load, naming it)
+            log.info("--kv-bits applies to text models: %s (a vision model) keeps "
+                     "full-precision KV", entry.name)
+            kv_bits = None
         safe_name = entry.name.replace("/", "--")
         return TextEngineOptions(
             max_num_seqs=d.max_num_seqs or cfg.max_num_seqs, max_queue=cfg.max_queue,
@@ -68,7 +76,7 @@ class EngineFactory:
                                            num_draft_tokens=cfg.num_draft_tokens),
             draft_model=self.draft_path(entry),
             adapters={name: Path(folder) for name, folder in entry.adapters.items()},
-            kv_bits=d.kv_bits or cfg.kv_bits,
+            kv_bits=kv_bits,
             kv_group_size=d.kv_group_size or cfg.kv_group_size)
 
     def draft_path(self, entry: ModelEntry) -> Path | None:
