@@ -160,7 +160,6 @@ class _Prompt:
 def perplexity(model: Any, tokens: list[int], kv: Any, chunk: int = 64) -> float:
     """exp(mean negative log-likelihood) of ``tokens``, each predicted from the cache of
     those before it (quantized when ``kv`` is given)."""
-    import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
     from mlxd.engines.text.quantized_cache import quantize_layers
@@ -168,16 +167,24 @@ def perplexity(model: Any, tokens: list[int], kv: Any, chunk: int = 64) -> float
     cache = make_prompt_cache(model)
     if kv is not None:
         cache = quantize_layers(cache, kv, QuantizedKVCache)
-    nll, count = 0.0, 0
+    nll = token_nlls(model, tokens, cache, chunk)
+    return math.exp(sum(nll) / len(nll))
+
+
+def token_nlls(model: Any, tokens: list[int], cache: list[Any], chunk: int) -> list[float]:
+    """The negative log-likelihood of each of ``tokens`` after the first, predicted from
+    ``cache`` holding those before it, prefilled ``chunk`` tokens at a time."""
+    import mlx.core as mx
+
+    nll: list[float] = []
     for start in range(0, len(tokens) - 1, chunk):
         targets = tokens[start + 1:start + chunk + 1]
         inputs = tokens[start:start + len(targets)]
         logits = model(mx.array(inputs)[None], cache=cache)[0].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
-        nll -= float(picked.sum().item())
-        count += len(targets)
-    return math.exp(nll / count)
+        nll += cast(list[float], (-picked[:, 0]).tolist())
+    return nll
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, float]:
@@ -347,17 +354,7 @@ def study_perplexity(model: Any, tokens: list[int], layout: Layout, fp_prefix: i
                      chunk: int = 64) -> tuple[float, float]:
     """``perplexity`` through a one-row study cache: (all of ``tokens``, the tail predicted
     at positions ``TAIL_FROM`` on)."""
-    import mlx.core as mx
-
-    cache = study_caches(model, [0], layout, fp_prefix)
-    nll: list[float] = []
-    for start in range(0, len(tokens) - 1, chunk):
-        targets = tokens[start + 1:start + chunk + 1]
-        inputs = tokens[start:start + len(targets)]
-        logits = model(mx.array(inputs)[None], cache=cache)[0].astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
-        nll += cast(list[float], (-picked[:, 0]).tolist())
+    nll = token_nlls(model, tokens, study_caches(model, [0], layout, fp_prefix), chunk)
     tail = nll[TAIL_FROM:]
     return math.exp(sum(nll) / len(nll)), math.exp(sum(tail) / len(tail)) if tail else math.nan
 
