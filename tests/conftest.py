@@ -40,6 +40,13 @@ def tiny_model_b(session_dir: Path, tiny_model: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_hd64(session_dir: Path, tiny_model: Path) -> Path:
+    """A tiny Llama with 64-wide heads, which the default KV group size (64) quantizes."""
+    return build_llama(session_dir / "tiny-llama-hd64", hidden=128, layers=2, heads=2, seed=3,
+                       tokenizer_from=tiny_model)
+
+
+@pytest.fixture(scope="session")
 def test_home(session_dir: Path) -> Path:
     """MLXD_HOME for tests (conversions are cached here for the session)."""
     home = session_dir / "home"

@@ -30,7 +30,6 @@ from mlxd.engines.text.engine import MLXLanguageModel, TextEngineOptions
 from mlxd.engines.text.mlx_lm_decoder import LMBatchDecoder
 from mlxd.runtime.worker import ModelWorker
 from tests.helpers.decoding import run_jobs
-from tests.helpers.tiny_models import build_llama
 
 pytestmark = pytest.mark.skipif(not prefill.on_cpu(), reason="the CPU path")
 
@@ -130,25 +129,18 @@ def test_one_part_holds_at_most_the_budget_or_one_head() -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(session_dir: Path, tiny_model: Path) -> Path:
-    # 64-dim heads: the default group size quantizes them
-    return build_llama(session_dir / "tiny-llama-hd64", hidden=128, layers=2, heads=2, seed=3,
-                       tokenizer_from=tiny_model)
-
-
-@pytest.fixture(scope="module")
-def q8_engine(model_dir: Path) -> Any:
-    engine = MLXLanguageModel("q8", model_dir, ModelWorker("q8"),
+def q8_engine(tiny_model_hd64: Path) -> Any:
+    engine = MLXLanguageModel("q8", tiny_model_hd64, ModelWorker("q8"),
                               TextEngineOptions(kv_bits=8, prefill_step_size=64))
     engine.load()
     yield engine
     engine.close()
 
 
-def test_the_path_goes_with_the_last_model_that_holds_it(model_dir: Path) -> None:
+def test_the_path_goes_with_the_last_model_that_holds_it(tiny_model_hd64: Path) -> None:
     """Installed with the CPU path at load, reference counted, undone at the last close:
     mlx-lm's attention (and its quantized path) is back."""
-    engines = [MLXLanguageModel(n, model_dir, ModelWorker(n), TextEngineOptions(kv_bits=8))
+    engines = [MLXLanguageModel(n, tiny_model_hd64, ModelWorker(n), TextEngineOptions(kv_bits=8))
                for n in ("a", "b")]
     module_name = None
     for engine in engines:
@@ -187,8 +179,8 @@ def test_greedy_tokens_on_8_bit_kv_are_the_same_with_the_path_on_and_off(
     assert on == off and all(len(t) == 12 for t in on)
 
 
-def test_the_engine_reserves_one_dequantized_part(q8_engine: Any, model_dir: Path) -> None:
-    plain = MLXLanguageModel("f", model_dir, ModelWorker("f"),
+def test_the_engine_reserves_one_dequantized_part(q8_engine: Any, tiny_model_hd64: Path) -> None:
+    plain = MLXLanguageModel("f", tiny_model_hd64, ModelWorker("f"),
                              TextEngineOptions(prefill_step_size=64))
     plain.load()
     try:

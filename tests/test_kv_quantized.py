@@ -42,7 +42,6 @@ from mlxd.runtime.worker import ModelWorker
 from tests.conftest import tiny_config
 from tests.helpers.decoding import run_jobs
 from tests.helpers.server import RunningServer, running_server
-from tests.helpers.tiny_models import build_llama
 
 # 2 layers x 2 KV heads x 64 dims x K and V: float32, and 8 bits + a float32 scale and
 # bias per 64 values
@@ -52,16 +51,10 @@ Q8_PER_TOKEN = VALUES_PER_TOKEN + VALUES_PER_TOKEN // 64 * 2 * 4
 
 
 @pytest.fixture(scope="module")
-def model_dir(session_dir: Path, tiny_model: Path) -> Path:
-    return build_llama(session_dir / "tiny-llama-hd64", hidden=128, layers=2, heads=2, seed=3,
-                       tokenizer_from=tiny_model)
-
-
-@pytest.fixture(scope="module")
-def lm(model_dir: Path) -> tuple[Any, Any]:
+def lm(tiny_model_hd64: Path) -> tuple[Any, Any]:
     from mlx_lm import load
 
-    return load(str(model_dir))
+    return load(str(tiny_model_hd64))
 
 
 def lone(model: Any, tokens: list[int], n: int, bits: int) -> list[int]:
@@ -258,8 +251,8 @@ def test_the_batch_cache_is_quantized_and_counts_quantized_bytes(lm: tuple[Any, 
 
 
 @pytest.fixture(scope="module")
-def q8_server(model_dir: Path, test_home: Path) -> Iterator[RunningServer]:
-    cfg = tiny_config(model_dir, test_home, served_model_name="q8", kv_bits=8,
+def q8_server(tiny_model_hd64: Path, test_home: Path) -> Iterator[RunningServer]:
+    cfg = tiny_config(tiny_model_hd64, test_home, served_model_name="q8", kv_bits=8,
                       memory_budget="2GB", prefix_cache_bytes=1 << 20, kv_reserve_tokens=64,
                       enable_prefix_cache_persist=False)
     with running_server(cfg) as srv:
@@ -276,7 +269,7 @@ def metrics(srv: RunningServer) -> dict[str, float]:
 
 
 def test_a_served_model_answers_on_8_bit_kv_and_reports_its_bytes(
-        q8_server: RunningServer, model_dir: Path) -> None:
+        q8_server: RunningServer, tiny_model_hd64: Path) -> None:
     client = openai.OpenAI(base_url=q8_server.url + "/v1", api_key="x", max_retries=0,
                            timeout=120)
     out = client.chat.completions.create(
@@ -292,7 +285,7 @@ def test_a_served_model_answers_on_8_bit_kv_and_reports_its_bytes(
     card = httpx.get(q8_server.url + "/v1/models/q8").json()
     assert (card["kv_bits"], card["kv_group_size"]) == (8, 64)
     # the budget reserves 64 tokens of KV at 8 bits (and the prefix cache)
-    assert card["estimated_bytes"] == (weights_bytes_of_folder(model_dir) + (1 << 20)
+    assert card["estimated_bytes"] == (weights_bytes_of_folder(tiny_model_hd64) + (1 << 20)
                                        + 64 * Q8_PER_TOKEN)
     assert metrics(q8_server)["mlxd_kv_bytes_per_token"] == Q8_PER_TOKEN < FP32_PER_TOKEN
 
