@@ -5,7 +5,7 @@ mlxd decodes through mlx-lm's ``BatchGenerator`` and keeps prefixes in its
 one place that reads or writes them from outside mlx-lm's own classes, and
 ``PRIVATE`` lists every private name mlxd uses, those its subclasses
 (``SpeculativeBatch``, ``GappedBatchKVCache``, ``QuantizedBatchKVCache``) inherit
-included.
+included, and the public ones whose behaviour ``settle_joins`` wraps.
 ``tests/test_upstream_adapters.py`` checks each on the installed version; a model
 load runs ``ADAPTER.require`` (see ``upstream/versions.py``).
 """
@@ -45,6 +45,15 @@ PRIVATE = (
             "engines/text/prefix_cache.py: entries, least recently used first"),
     Private("mlx_lm.tokenizer_utils", "TokenizerWrapper", "_tokenizer", "attribute",
             "engines/text/engine.py: the Hugging Face tokenizer behind the wrapper"),
+    # public, but settle_joins (below) wraps them and relies on what they do
+    Private(_GEN, "PromptProcessingBatch", "split", "method",
+            "settle_joins: the rows whose prefill ended leave the prompt batch", ("indices",)),
+    Private(_GEN, "GenerationBatch", "extend", "method",
+            "settle_joins: joining rows are concatenated into the running batch", ("batch",)),
+    Private(_GEN, "GenerationBatch", "prompt_cache", "attribute",
+            "settle_joins: each layer's cache of the running batch"),
+    Private(_GEN, "PromptProcessingBatch", "prompt_cache", "attribute",
+            "settle_joins: each layer's cache of the prompt batch"),
 )
 
 ADAPTER = Adapter("mlx-lm", ("0.32.2",), PRIVATE)
